@@ -1,0 +1,35 @@
+# Two entry points, both idempotent and self-contained on a fresh machine:
+#   make demo   -> set up .venv, build mixprec, train the main example
+#   make test   -> same set-up, then the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+DEPS   := $(VENV)/.deps-stamp
+# Pinned: `pip install torch` alone would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test install bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS): $(BIN)/python Makefile
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH) "scikit-build-core>=0.10" ninja "pytest>=7" numpy
+	touch $@
+
+# Always re-run: scikit-build-core rebuilds incrementally in build/ (ninja, ccache when present).
+install: $(DEPS)
+	$(BIN)/pip install -q --no-build-isolation -e .
+
+demo: install
+	$(BIN)/python examples/train_transformer.py
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/bench_single.py
+
+clean:
+	rm -rf build $(VENV)

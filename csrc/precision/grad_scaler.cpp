@@ -45,7 +45,7 @@ at::Tensor GradScaler::scale_loss(const at::Tensor& loss) const {
   TORCH_CHECK_VALUE(loss.device() == scale_.device(), "loss is on ", loss.device(),
                     " but the scaler lives on ", scale_.device(),
                     "; compute the loss on the model's device");
-  return loss * scale_.view({});
+  return loss * scale_.squeeze(0);
 }
 
 at::Tensor GradScaler::inv_scale() const {

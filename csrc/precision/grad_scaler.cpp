@@ -73,8 +73,8 @@ void GradScaler::load(double scale, int64_t growth_tracker, int64_t hysteresis_l
 
 void GradScaler::clear_found_inf() { found_inf_.zero_(); }
 
-void GradScaler::update() {
-  if (scale_.is_cpu()) {
+void GradScaler::update(bool tensor_ops) {
+  if (scale_.is_cpu() && !tensor_ops) {
     update_on_host();
   } else {
     update_on_device();

@@ -54,6 +54,8 @@ class Accelerator:
         fused_optimizer: step Adam/AdamW/SGD with the C++ fused kernels when eligible.
         step_scheduler_with_optimizer: prepared schedulers follow optimizer steps.
         log_policy: print the resolved policy once at the first ``prepare()``.
+        engine_options: backend-specific settings, e.g. for ``"ddp"``: ``bucket_cap_mb``,
+            ``first_bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Accelerator:
         fused_optimizer: bool = True,
         step_scheduler_with_optimizer: bool = True,
         log_policy: bool = True,
+        engine_options: Optional[dict] = None,
     ) -> None:
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(
@@ -83,7 +86,9 @@ class Accelerator:
         engine_cls = resolve_backend(backend)
         self.device = _pick_device(device, cpu)
         check_device_supports(self.device, self.policy)
-        self.engine = engine_cls(self.policy, self.device, fused_optimizer=fused_optimizer)
+        self.engine = engine_cls(
+            self.policy, self.device, fused_optimizer=fused_optimizer, **(engine_options or {})
+        )
         self.gradient_state = GradientState(gradient_accumulation_steps)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self._log_policy = log_policy

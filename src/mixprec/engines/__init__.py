@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 from .base import Engine
+from .ddp import DDPEngine
 from .single import SingleEngine
 
-ENGINES: dict[str, type[Engine]] = {"single": SingleEngine}
+ENGINES: dict[str, type[Engine]] = {"single": SingleEngine, "ddp": DDPEngine}
 BACKEND_NAMES = ("auto", *ENGINES)
 
 
@@ -20,13 +21,8 @@ def resolve_backend(backend: str) -> type[Engine]:
         )
     if backend == "auto":
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:
-            raise NotImplementedError(
-                f"backend='auto' with WORLD_SIZE={world}: multi-process backends (ddp, zero, "
-                "fsdp) are not implemented yet; run a single process"
-            )
-        return SingleEngine
+        return DDPEngine if world > 1 else SingleEngine
     return ENGINES[backend]
 
 
-__all__ = ["BACKEND_NAMES", "ENGINES", "Engine", "SingleEngine", "resolve_backend"]
+__all__ = ["BACKEND_NAMES", "DDPEngine", "ENGINES", "Engine", "SingleEngine", "resolve_backend"]

@@ -69,8 +69,11 @@ class ForwardContext:
         self.gate = gate
         self.fp32_region = fp32_region  # a keep_fp32 module: autocast off, fp32 inputs
         self.on_zero_grad = on_zero_grad  # clears grads the engine keeps for this module
+        self.pre_forward: Optional[Callable[[], None]] = None  # engine work before forward
 
     def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.pre_forward is not None:
+            self.pre_forward()
         if self.fp32_region:
             args, kwargs = cast_floating((args, kwargs), torch.float32)
             with torch.autocast(self.device_type, enabled=False):

@@ -33,7 +33,7 @@ void init_kernels(py::module_& m) {
       py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("lowp_params"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
       py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("decoupled"),
-      py::arg("maximize"), py::arg("inv_scale"), py::arg("found_inf"), nogil,
+      py::arg("maximize"), py::arg("inv_scale") = py::none(), py::arg("found_inf") = py::none(), nogil,
       "One Adam (decoupled=False) or AdamW step over all tensors; `step` is the already "
       "incremented step count. Does nothing when found_inf is nonzero.");
   m.def(
@@ -50,7 +50,7 @@ void init_kernels(py::module_& m) {
       py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"), py::arg("lowp_params"),
       py::kw_only(), py::arg("lr"), py::arg("momentum"), py::arg("dampening"),
       py::arg("nesterov"), py::arg("weight_decay"), py::arg("maximize"), py::arg("first_step"),
-      py::arg("inv_scale"), py::arg("found_inf"), nogil,
+      py::arg("inv_scale") = py::none(), py::arg("found_inf") = py::none(), nogil,
       "One SGD step (torch.optim.SGD semantics); momentum buffers are set to the grad when "
       "first_step. Does nothing when found_inf is nonzero.");
   m.def("copy_cast_", &k::copy_cast_, py::arg("dsts"), py::arg("srcs"), nogil,

@@ -24,20 +24,26 @@ C10_ALWAYS_INLINE bool unscale_range(T* p, int64_t n, const fVec& inv) {
   return any_nonfinite(acc);
 }
 
+// Four independent accumulators: 4x shorter fp32 sums per lane (a 64K chunk
+// is 2K terms per lane) and no serial dependency between vector adds.
 template <class T>
 C10_ALWAYS_INLINE float sumsq_range(const T* p, int64_t n) {
-  fVec acc(0.f);
+  fVec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
   int64_t i = 0;
-  for (; i + kW <= n; i += kW) {
-    const fVec x = load_f(p + i, kW);
-    acc = acc + x * x;
+  for (; i + 4 * kW <= n; i += 4 * kW) {
+    const fVec x0 = load_f(p + i, kW), x1 = load_f(p + i + kW, kW);
+    const fVec x2 = load_f(p + i + 2 * kW, kW), x3 = load_f(p + i + 3 * kW, kW);
+    a0 = a0 + x0 * x0;
+    a1 = a1 + x1 * x1;
+    a2 = a2 + x2 * x2;
+    a3 = a3 + x3 * x3;
   }
-  if (i < n) {
-    const fVec x = load_f(p + i, n - i);
-    acc = acc + x * x;
+  for (; i < n; i += kW) {
+    const fVec x = load_f(p + i, std::min(kW, n - i));
+    a0 = a0 + x * x;
   }
   alignas(64) float lanes[kW];
-  acc.store(lanes);
+  ((a0 + a1) + (a2 + a3)).store(lanes);
   float s = 0.f;
   for (int64_t k = 0; k < kW; ++k) s += lanes[k];
   return s;

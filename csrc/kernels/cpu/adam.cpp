@@ -16,8 +16,10 @@
 // when they reach the kernel. The one known difference: torch's vectorised
 // CPU sqrt is not correctly rounded (up to 1 ulp off on ~20% of lanes in the
 // AVX512 build), ours is IEEE sqrt; see tests/kernels/test_kernels_adam.py.
-#include "kernels/cpu/cpu_ops.h"
+// launcher.h first: its optimize pragma must precede every inline function
+// of the TU, or GCC refuses to inline across the option mismatch.
 #include "kernels/cpu/launcher.h"
+#include "kernels/cpu/cpu_ops.h"
 
 namespace mixprec::kernels::cpu {
 namespace {

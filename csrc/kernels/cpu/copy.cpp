@@ -1,7 +1,9 @@
 // Multi-tensor cast-copies (CPU): list -> list, list -> flat buffer, flat -> list.
 // fp32 -> bf16/fp16 rounds to nearest-even with NaN kept NaN, as Tensor.copy_.
-#include "kernels/cpu/cpu_ops.h"
+// launcher.h first: its optimize pragma must precede every inline function
+// of the TU, or GCC refuses to inline across the option mismatch.
 #include "kernels/cpu/launcher.h"
+#include "kernels/cpu/cpu_ops.h"
 
 namespace mixprec::kernels::cpu {
 namespace {

@@ -1,4 +1,4 @@
-#include "kernels/cpu/launcher.h"
+#include "kernels/cpu/launcher.h"  // first: see [Note: vectorisation and FMA]
 
 namespace mixprec::kernels::cpu {
 

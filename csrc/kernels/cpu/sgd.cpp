@@ -10,8 +10,10 @@
 //   nesterov:   g = fma(buf, f32(momentum), g)   else g = buf
 //   p = fma(g, f32(-lr), p)                             (param.add_(grad, alpha=-lr))
 // so the result is bitwise equal to torch.optim.SGD(foreach=False) on CPU.
-#include "kernels/cpu/cpu_ops.h"
+// launcher.h first: its optimize pragma must precede every inline function
+// of the TU, or GCC refuses to inline across the option mismatch.
 #include "kernels/cpu/launcher.h"
+#include "kernels/cpu/cpu_ops.h"
 
 namespace mixprec::kernels::cpu {
 namespace {

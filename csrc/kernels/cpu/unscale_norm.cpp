@@ -1,6 +1,8 @@
 // Gradient unscale + non-finite check, and the global L2 norm (CPU).
-#include "kernels/cpu/cpu_ops.h"
+// launcher.h first: its optimize pragma must precede every inline function
+// of the TU, or GCC refuses to inline across the option mismatch.
 #include "kernels/cpu/launcher.h"
+#include "kernels/cpu/cpu_ops.h"
 
 namespace mixprec::kernels::cpu {
 namespace {

@@ -1,0 +1,122 @@
+"""Bandwidth of mixprec's multi-tensor kernels vs memcpy and plain PyTorch (CPU).
+
+A transformer-shaped parameter set (embeddings + [d,4d]/[4d,d]/[d,d] matrices +
+biases/norms). For each kernel: GB/s moved and the ratio to memcpy bandwidth
+(dst.copy_(src) of a big fp32 buffer) measured in the same run; then the fused
+step (one fused_adam_ call: unscale + inf check + AdamW + bf16 write-back) vs
+plain PyTorch doing the same work (_amp_foreach_non_finite_check_and_unscale_ +
+AdamW(fused=True) + _foreach_copy_ to bf16). A/B runs alternate; medians.
+
+    python benchmarks/bench_kernels.py            # ~50M params
+    python benchmarks/bench_kernels.py --quick    # small model, < 30 s
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mixprec import kernels as K
+
+
+def shapes(d, layers, vocab):
+    out = [(vocab, d), (2048, d)]  # token + position embeddings
+    for _ in range(layers):
+        out += [(d, 3 * d), (3 * d,), (d, d), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,),
+                (d,), (d,), (d,), (d,)]
+    return out + [(d,), (d,)]
+
+
+def bench(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def alternate(a, b, repeats):
+    a(), b()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, acc in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def run(args, threads):
+    torch.set_num_threads(threads)
+    d, layers, vocab = (256, 4, 8000) if args.quick else (768, 6, 16000)
+    shp = shapes(d, layers, vocab)
+    params = [torch.randn(s) * 0.02 for s in shp]
+    n = sum(p.numel() for p in params)
+    grads_bf16 = [torch.randn(s).bfloat16() for s in shp]
+    grads32 = [g.float() for g in grads_bf16]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    lowp = [p.bfloat16() for p in params]
+    inv, found = torch.tensor([1.0]), torch.zeros(1)
+    reps = args.repeats
+
+    big = torch.empty(max(n, 8 << 20))
+    big_dst = torch.empty_like(big)
+    t_mem = bench(lambda: big_dst.copy_(big), reps)
+    mem_bw = 2 * big.numel() * 4 / t_mem
+    print(f"\n== {threads} thread(s), {n / 1e6:.1f}M params in {len(shp)} tensors; "
+          f"memcpy {mem_bw / 1e9:.2f} GB/s")
+
+    def report(name, t, nbytes):
+        bw = nbytes / t
+        print(f"  {name:<34s} {t * 1e3:8.2f} ms  {bw / 1e9:7.2f} GB/s  {bw / mem_bw:5.2f}x memcpy")
+
+    report("unscale_and_check_ (fp32)", bench(lambda: K.unscale_and_check_(grads32, found, inv),
+                                              reps), 8 * n)
+    report("l2_norm (fp32)", bench(lambda: K.l2_norm(grads32), reps), 4 * n)
+    report("copy_cast_ fp32->bf16", bench(lambda: K.copy_cast_(lowp, params), reps), 6 * n)
+    kw = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10.0,
+              decoupled=True, maximize=False)
+    report("fused_adam_ (fp32 grads)",
+           bench(lambda: K.fused_adam_(params, grads32, m, v, [], inv_scale=None, found_inf=None,
+                                       **kw), reps), 28 * n)
+    fused = lambda: K.fused_adam_(params, grads_bf16, m, v, lowp, inv_scale=inv,  # noqa: E731
+                                  found_inf=found, **kw)
+    report("fused step (bf16 grads, +unscale+bf16)", bench(fused, reps), 24 * n)
+
+    # Plain PyTorch doing the same work: unscale the grads, AdamW(fused), cast-copy.
+    tparams = [torch.nn.Parameter(p.clone()) for p in params]
+    tgrads = [g.clone() for g in grads32]
+    for p, g in zip(tparams, tgrads):
+        p.grad = g
+    opt = torch.optim.AdamW(tparams, lr=1e-4, weight_decay=0.01, fused=True)
+    tlowp = [p.detach().bfloat16() for p in tparams]
+    tparams_d = [p.detach() for p in tparams]
+
+    def plain():
+        torch._amp_foreach_non_finite_check_and_unscale_(tgrads, found, inv)
+        opt.step()
+        torch._foreach_copy_(tlowp, tparams_d)
+
+    t_fused, t_plain = alternate(fused, plain, reps)
+    print(f"  fused step {t_fused * 1e3:.2f} ms vs plain PyTorch {t_plain * 1e3:.2f} ms: "
+          f"speed-up {t_plain / t_fused:.2f}x")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small model, few repeats (< 30 s)")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 7
+    all_threads = torch.get_num_threads()
+    for threads in sorted({1, all_threads}):
+        run(args, threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+// CUDA multi-tensor apply: chunks of many tensors per launch, metadata passed
+// as a kernel argument (no device allocation, no host sync).
+//
+// [Note: CUDA chunking]
+// Each tensor is cut into kChunk-element chunks; one thread block handles one
+// chunk. A launch carries up to kMaxTensors tensors and kMaxBlocks chunks in
+// its argument struct (< 4 KiB, the portable kernel-parameter limit); the
+// host fills it and launches whenever it is full. Arithmetic uses the
+// explicitly rounded intrinsics (__fmaf_rn, __fmul_rn, ...) so nvcc's default
+// FMA contraction cannot change results: the CUDA kernels round exactly where
+// the CPU ones do (see [Note: vectorisation and FMA]).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace mixprec::kernels::cuda {
+
+constexpr int kBlock = 256;
+constexpr int64_t kChunk = 16384;
+constexpr int kMaxTensors = 24;
+constexpr int kMaxBlocks = 320;
+
+enum DtypeCode : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline uint8_t dtype_code(at::ScalarType t) {
+  return t == at::kFloat ? kF32 : (t == at::kBFloat16 ? kBF16 : kF16);
+}
+
+struct Slot {
+  void* ptr = nullptr;
+  uint8_t code = kF32;
+};
+
+template <int N>
+struct TensorListMeta {
+  void* addr[N][kMaxTensors];
+  int64_t numel[kMaxTensors];
+  uint8_t code[N][kMaxTensors];
+  uint8_t block_tensor[kMaxBlocks];
+  int32_t block_chunk[kMaxBlocks];
+  int64_t first_block;  // index of this launch's first block over all launches
+};
+
+__device__ __forceinline__ float load_f(const void* p, int64_t i, uint8_t code) {
+  switch (code) {
+    case kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case kF16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// Round to nearest-even, as Tensor.to / the CPU kernels.
+__device__ __forceinline__ void store_f(void* p, int64_t i, uint8_t code, float v) {
+  switch (code) {
+    case kBF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    case kF16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    default: static_cast<float*>(p)[i] = v;
+  }
+}
+
+// Op::apply(meta, tensor, begin, end, global_block) runs per block.
+template <int N, class Op>
+__global__ void __launch_bounds__(kBlock) multi_tensor_kernel(TensorListMeta<N> meta, Op op) {
+  const int t = meta.block_tensor[blockIdx.x];
+  const int64_t begin = static_cast<int64_t>(meta.block_chunk[blockIdx.x]) * kChunk;
+  const int64_t end = begin + kChunk < meta.numel[t] ? begin + kChunk : meta.numel[t];
+  op.apply(meta, t, begin, end, meta.first_block + blockIdx.x);
+}
+
+// slots[i][k]: tensor i of list k; numels[i] its size. Returns the block count.
+template <int N, class Op>
+int64_t multi_tensor_apply(const std::vector<std::array<Slot, N>>& slots,
+                           const std::vector<int64_t>& numels, const Op& op, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  TensorListMeta<N> meta;
+  int n_tensors = 0, n_blocks = 0;
+  int64_t launched = 0;
+  auto launch = [&]() {
+    if (n_blocks == 0) return;
+    meta.first_block = launched;
+    multi_tensor_kernel<N, Op><<<n_blocks, kBlock, 0, s>>>(meta, op);
+    const cudaError_t err = cudaGetLastError();
+    TORCH_CHECK(err == cudaSuccess, "mixprec: CUDA launch failed: ", cudaGetErrorString(err));
+    launched += n_blocks;
+    n_blocks = 0;
+  };
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (numels[i] == 0) continue;
+    if (n_tensors == kMaxTensors) {
+      launch();
+      n_tensors = 0;
+    }
+    int cur = n_tensors++;
+    for (int k = 0; k < N; ++k) {
+      meta.addr[k][cur] = slots[i][k].ptr;
+      meta.code[k][cur] = slots[i][k].code;
+    }
+    meta.numel[cur] = numels[i];
+    const int64_t chunks = (numels[i] + kChunk - 1) / kChunk;
+    for (int64_t c = 0; c < chunks; ++c) {
+      if (n_blocks == kMaxBlocks) {
+        launch();
+        // The tensor continues in the next launch, as its only slot so far.
+        for (int k = 0; k < N; ++k) {
+          meta.addr[k][0] = meta.addr[k][cur];
+          meta.code[k][0] = meta.code[k][cur];
+        }
+        meta.numel[0] = meta.numel[cur];
+        cur = 0;
+        n_tensors = 1;
+      }
+      meta.block_tensor[n_blocks] = static_cast<uint8_t>(cur);
+      meta.block_chunk[n_blocks] = static_cast<int32_t>(c);
+      ++n_blocks;
+    }
+  }
+  launch();
+  return launched;
+}
+
+inline int64_t num_blocks(const std::vector<int64_t>& numels) {
+  int64_t n = 0;
+  for (int64_t x : numels) n += (x + kChunk - 1) / kChunk;
+  return n;
+}
+
+// Slots and sizes of parallel tensor lists (lists after the first may be empty).
+template <int N>
+void make_slots(const std::array<const std::vector<at::Tensor>*, N>& lists,
+                std::vector<std::array<Slot, N>>* slots, std::vector<int64_t>* numels) {
+  const auto& first = *lists[0];
+  slots->assign(first.size(), {});
+  numels->resize(first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    (*numels)[i] = first[i].numel();
+    for (int k = 0; k < N; ++k) {
+      if (!lists[k]->empty()) {
+        const at::Tensor& t = (*lists[k])[i];
+        (*slots)[i][k] = Slot{t.data_ptr(), dtype_code(t.scalar_type())};
+      }
+    }
+  }
+}
+
+inline float* f32_ptr(const at::Tensor* t) {
+  return t ? static_cast<float*>(t->data_ptr()) : nullptr;
+}
+
+}  // namespace mixprec::kernels::cuda

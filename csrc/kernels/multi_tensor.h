@@ -1,0 +1,49 @@
+// Multi-tensor kernels: one entry point per op, dispatched by device.
+//
+// [Note: multi-tensor kernels]
+// Optimizer steps and gradient unscaling touch hundreds of tensors per step.
+// Launching one op per tensor costs a dispatcher round-trip, a TensorIterator
+// and (on CPU) a parallel region per tensor, and every extra op re-reads the
+// same memory. These kernels take whole lists, cut them into fixed-size
+// chunks and run one parallel region (CPU) or a few launches (CUDA) over all
+// chunks, doing every element-wise step of an update in a single pass.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+namespace mixprec::kernels {
+
+using TensorVec = std::vector<at::Tensor>;
+using OptTensor = std::optional<at::Tensor>;
+
+// Same semantics as torch._amp_foreach_non_finite_check_and_unscale_.
+void unscale_and_check_(const TensorVec& tensors, const at::Tensor& found_inf,
+                        const at::Tensor& inv_scale);
+
+// Global L2 norm over all elements of all tensors, fp32 0-dim on the tensors' device.
+at::Tensor l2_norm(const TensorVec& tensors, const OptTensor& found_inf);
+
+struct AdamOptions {
+  double lr, beta1, beta2, eps, weight_decay, step;
+  bool decoupled, maximize;
+};
+void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_avgs,
+                 const TensorVec& exp_avg_sqs, const TensorVec& lowp_params,
+                 const AdamOptions& opt, const OptTensor& inv_scale, const OptTensor& found_inf);
+
+struct SgdOptions {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov, maximize, first_step;
+};
+void fused_sgd_(const TensorVec& params, const TensorVec& grads, const TensorVec& momentum_buffers,
+                const TensorVec& lowp_params, const SgdOptions& opt, const OptTensor& inv_scale,
+                const OptTensor& found_inf);
+
+void copy_cast_(const TensorVec& dsts, const TensorVec& srcs);
+void flat_copy_in_(const at::Tensor& flat, const TensorVec& srcs);
+void flat_copy_out_(const TensorVec& dsts, const at::Tensor& flat);
+
+}  // namespace mixprec::kernels

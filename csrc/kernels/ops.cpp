@@ -1,0 +1,249 @@
+// Entry points of the multi-tensor ops: check the inputs once, then run the
+// CPU or CUDA implementation for the tensors' device.
+#include "kernels/checks.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/multi_tensor.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+#if MIXPREC_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/cuda/cuda_ops.h"
+#endif
+
+namespace mixprec::kernels {
+
+namespace {
+
+// Runs cpu_fn() for CPU tensors, cuda_fn(stream) for CUDA ones (device guarded).
+template <class CpuFn, class CudaFn>
+void on_device(const char* op, const at::Device& device, const CpuFn& cpu_fn,
+               const CudaFn& cuda_fn) {
+  if (device.is_cpu()) {
+    cpu_fn();
+    return;
+  }
+#if MIXPREC_WITH_CUDA
+  if (device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(device);
+    cuda_fn(static_cast<void*>(c10::cuda::getCurrentCUDAStream(device.index()).stream()));
+    return;
+  }
+#endif
+  TORCH_CHECK_VALUE(false, "mixprec.", op, ": tensors on ", device,
+                    " are not supported by this build (CPU",
+                    MIXPREC_WITH_CUDA ? " and CUDA" : " only; rebuild with MIXPREC_CUDA=ON for CUDA",
+                    ")");
+}
+
+float cpu_scalar(const at::Tensor& t) { return *static_cast<const float*>(t.data_ptr()); }
+
+void check_optional_scalars(const char* op, const OptTensor& inv_scale, const OptTensor& found_inf,
+                            const at::Device& device) {
+  if (inv_scale) check_scalar_tensor(op, "inv_scale", *inv_scale, device);
+  if (found_inf) check_scalar_tensor(op, "found_inf", *found_inf, device);
+}
+
+void check_hyper(const char* op, const char* name, double v, double lo) {
+  TORCH_CHECK_VALUE(std::isfinite(v) && v >= lo, "mixprec.", op, ": ", name,
+                    " must be a finite number >= ", lo, ", got ", v);
+}
+
+}  // namespace
+
+void unscale_and_check_(const TensorVec& tensors, const at::Tensor& found_inf,
+                        const at::Tensor& inv_scale) {
+  constexpr const char* op = "unscale_and_check_";
+  if (tensors.empty()) return;
+  const auto device = list_device(tensors);
+  check_list(op, "tensors", tensors, device, Dtypes::kFloating);
+  check_scalar_tensor(op, "found_inf", found_inf, device);
+  check_scalar_tensor(op, "inv_scale", inv_scale, device);
+  on_device(
+      op, device,
+      [&] {
+        if (cpu::unscale_and_check(tensors, cpu_scalar(inv_scale))) {
+          *static_cast<float*>(found_inf.data_ptr()) = 1.0f;
+        }
+      },
+      [&](void* stream) {
+#if MIXPREC_WITH_CUDA
+        cuda::unscale_and_check(tensors, found_inf, inv_scale, stream);
+#endif
+      });
+  bump_versions({&tensors});
+}
+
+at::Tensor l2_norm(const TensorVec& tensors, const OptTensor& found_inf) {
+  constexpr const char* op = "l2_norm";
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  if (tensors.empty()) {
+    return at::zeros({}, f32.device(found_inf ? found_inf->device() : at::Device(at::kCPU)));
+  }
+  const auto device = list_device(tensors);
+  check_list(op, "tensors", tensors, device, Dtypes::kFloating);
+  if (found_inf) check_scalar_tensor(op, "found_inf", *found_inf, device);
+  at::Tensor out = at::empty({}, f32.device(device));
+  on_device(
+      op, device,
+      [&] {
+        const float norm = static_cast<float>(std::sqrt(cpu::sum_of_squares(tensors)));
+        *static_cast<float*>(out.data_ptr()) = norm;
+        if (found_inf && !std::isfinite(norm)) *static_cast<float*>(found_inf->data_ptr()) = 1.0f;
+      },
+      [&](void* stream) {
+#if MIXPREC_WITH_CUDA
+        at::Tensor partials = at::empty({cuda::l2_norm_num_partials(tensors)}, f32.device(device));
+        cuda::l2_norm(tensors, partials, out, found_inf ? &*found_inf : nullptr, stream);
+#endif
+      });
+  return out;
+}
+
+void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_avgs,
+                 const TensorVec& exp_avg_sqs, const TensorVec& lowp_params,
+                 const AdamOptions& opt, const OptTensor& inv_scale, const OptTensor& found_inf) {
+  constexpr const char* op = "fused_adam_";
+  check_hyper(op, "lr", opt.lr, 0.0);
+  check_hyper(op, "eps", opt.eps, 0.0);
+  check_hyper(op, "weight_decay", opt.weight_decay, 0.0);
+  check_hyper(op, "step", opt.step, 1.0);
+  TORCH_CHECK_VALUE(opt.beta1 >= 0.0 && opt.beta1 < 1.0, "mixprec.", op,
+                    ": beta1 must be in [0, 1), got ", opt.beta1);
+  TORCH_CHECK_VALUE(opt.beta2 >= 0.0 && opt.beta2 < 1.0, "mixprec.", op,
+                    ": beta2 must be in [0, 1), got ", opt.beta2);
+  if (params.empty()) return;
+  const auto device = list_device(params);
+  check_list(op, "params", params, device, Dtypes::kFloat32);
+  check_list(op, "grads", grads, device, Dtypes::kFloating);
+  check_list(op, "exp_avgs", exp_avgs, device, Dtypes::kFloat32);
+  check_list(op, "exp_avg_sqs", exp_avg_sqs, device, Dtypes::kFloat32);
+  check_same_sizes(op, "params", params, "grads", grads);
+  check_same_sizes(op, "params", params, "exp_avgs", exp_avgs);
+  check_same_sizes(op, "params", params, "exp_avg_sqs", exp_avg_sqs);
+  if (!lowp_params.empty()) {
+    check_list(op, "lowp_params", lowp_params, device, Dtypes::kLowp);
+    check_same_sizes(op, "params", params, "lowp_params", lowp_params);
+  }
+  check_optional_scalars(op, inv_scale, found_inf, device);
+  on_device(
+      op, device,
+      [&] {
+        // [Note: skipped steps] checked once, before anything is written.
+        if (found_inf && cpu_scalar(*found_inf) != 0.0f) return;
+        cpu::adam(params, grads, exp_avgs, exp_avg_sqs, lowp_params, opt, inv_scale.has_value(),
+                  inv_scale ? cpu_scalar(*inv_scale) : 1.0f);
+      },
+      [&](void* stream) {
+#if MIXPREC_WITH_CUDA
+        cuda::adam(params, grads, exp_avgs, exp_avg_sqs, lowp_params, opt,
+                   inv_scale ? &*inv_scale : nullptr, found_inf ? &*found_inf : nullptr, stream);
+#endif
+      });
+  bump_versions({&params, &exp_avgs, &exp_avg_sqs, &lowp_params});
+}
+
+void fused_sgd_(const TensorVec& params, const TensorVec& grads, const TensorVec& momentum_buffers,
+                const TensorVec& lowp_params, const SgdOptions& opt, const OptTensor& inv_scale,
+                const OptTensor& found_inf) {
+  constexpr const char* op = "fused_sgd_";
+  check_hyper(op, "lr", opt.lr, 0.0);
+  check_hyper(op, "momentum", opt.momentum, 0.0);
+  check_hyper(op, "weight_decay", opt.weight_decay, 0.0);
+  TORCH_CHECK_VALUE(std::isfinite(opt.dampening), "mixprec.", op,
+                    ": dampening must be finite, got ", opt.dampening);
+  TORCH_CHECK_VALUE(!opt.nesterov || (opt.momentum > 0 && opt.dampening == 0), "mixprec.", op,
+                    ": nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)");
+  if (params.empty()) return;
+  const auto device = list_device(params);
+  check_list(op, "params", params, device, Dtypes::kFloat32);
+  check_list(op, "grads", grads, device, Dtypes::kFloating);
+  check_same_sizes(op, "params", params, "grads", grads);
+  if (opt.momentum != 0.0) {
+    check_list(op, "momentum_buffers", momentum_buffers, device, Dtypes::kFloat32);
+    check_same_sizes(op, "params", params, "momentum_buffers", momentum_buffers);
+  } else {
+    TORCH_CHECK_VALUE(momentum_buffers.empty(), "mixprec.", op,
+                      ": momentum is 0 so momentum_buffers must be an empty list, got ",
+                      momentum_buffers.size(), " tensors");
+  }
+  if (!lowp_params.empty()) {
+    check_list(op, "lowp_params", lowp_params, device, Dtypes::kLowp);
+    check_same_sizes(op, "params", params, "lowp_params", lowp_params);
+  }
+  check_optional_scalars(op, inv_scale, found_inf, device);
+  on_device(
+      op, device,
+      [&] {
+        if (found_inf && cpu_scalar(*found_inf) != 0.0f) return;  // [Note: skipped steps]
+        cpu::sgd(params, grads, momentum_buffers, lowp_params, opt, inv_scale.has_value(),
+                 inv_scale ? cpu_scalar(*inv_scale) : 1.0f);
+      },
+      [&](void* stream) {
+#if MIXPREC_WITH_CUDA
+        cuda::sgd(params, grads, momentum_buffers, lowp_params, opt,
+                  inv_scale ? &*inv_scale : nullptr, found_inf ? &*found_inf : nullptr, stream);
+#endif
+      });
+  bump_versions({&params, &momentum_buffers, &lowp_params});
+}
+
+void copy_cast_(const TensorVec& dsts, const TensorVec& srcs) {
+  constexpr const char* op = "copy_cast_";
+  check_same_sizes(op, "dsts", dsts, "srcs", srcs);
+  if (dsts.empty()) return;
+  const auto device = list_device(dsts);
+  check_list(op, "dsts", dsts, device, Dtypes::kFloating);
+  check_list(op, "srcs", srcs, device, Dtypes::kFloating);
+  on_device(
+      op, device, [&] { cpu::copy_cast(dsts, srcs); },
+      [&](void* stream) {
+#if MIXPREC_WITH_CUDA
+        cuda::copy_cast(dsts, srcs, stream);
+#endif
+      });
+  bump_versions({&dsts});
+}
+
+namespace {
+
+void flat_copy(const char* op, const at::Tensor& flat, const TensorVec& tensors, bool into_flat) {
+  const char* name = into_flat ? "srcs" : "dsts";
+  const auto device = flat.device();
+  check_list(op, "flat", {flat}, device, Dtypes::kFloating);
+  TORCH_CHECK_VALUE(flat.dim() == 1, "mixprec.", op, ": flat must be 1-D, got sizes ",
+                    flat.sizes(), "; pass flat.view(-1)");
+  check_list(op, name, tensors, device, Dtypes::kFloating);
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  TORCH_CHECK_VALUE(total == flat.numel(), "mixprec.", op, ": flat has ", flat.numel(),
+                    " elements but the ", tensors.size(), " ", name, " hold ", total,
+                    "; size flat to the sum of their numels");
+  on_device(
+      op, device, [&] { cpu::flat_copy(flat, tensors, into_flat); },
+      [&](void* stream) {
+#if MIXPREC_WITH_CUDA
+        cuda::flat_copy(flat, tensors, into_flat, stream);
+#endif
+      });
+}
+
+}  // namespace
+
+void flat_copy_in_(const at::Tensor& flat, const TensorVec& srcs) {
+  flat_copy("flat_copy_in_", flat, srcs, true);
+  flat.unsafeGetTensorImpl()->bump_version();
+}
+
+void flat_copy_out_(const TensorVec& dsts, const at::Tensor& flat) {
+  flat_copy("flat_copy_out_", flat, dsts, false);
+  bump_versions({&dsts});
+}
+
+}  // namespace mixprec::kernels

@@ -1,0 +1,79 @@
+"""CUDA kernels against the CPU kernels / torch (skipped without a GPU).
+
+The CUDA kernels use explicitly rounded intrinsics in the same op order as
+the CPU kernels, so SGD, unscale and copies are bitwise equal to the CPU path;
+Adam too (both use IEEE sqrt and division).
+"""
+
+import pytest
+import torch
+
+from mixprec import _C
+from mixprec import kernels as K
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SHAPES = [(1,), (7,), (33, 17), (65537,), (3, 400000)] + [(5,)] * 30
+
+
+def _pair(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cpu = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    return cpu, [t.cuda() for t in cpu]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_unscale_matches_cpu(dtype):
+    cpu, gpu = _pair(dtype)
+    gpu[4][1, 12345] = float("inf")
+    fc, fg = torch.zeros(1), torch.zeros(1, device="cuda")
+    K.unscale_and_check_(cpu, fc, torch.tensor([0.3]))
+    K.unscale_and_check_(gpu, fg, torch.tensor([0.3], device="cuda"))
+    assert fg.item() == 1.0 and fc.item() == 0.0
+    for c, g in zip(cpu, gpu):
+        g = g.cpu()
+        finite = g.isfinite()
+        assert torch.equal(c[finite], g[finite])
+
+
+def test_cuda_l2_norm_close_to_cpu():
+    cpu, gpu = _pair()
+    torch.testing.assert_close(K.l2_norm(gpu).cpu(), K.l2_norm(cpu), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_cuda_adam_matches_cpu(decoupled):
+    cpu, gpu = _pair()
+    gc, gg = _pair(torch.bfloat16, seed=1)
+    state_c = [[torch.zeros_like(t) for t in cpu] for _ in range(2)]
+    state_g = [[torch.zeros_like(t) for t in gpu] for _ in range(2)]
+    lp_c = [torch.empty_like(t, dtype=torch.bfloat16) for t in cpu]
+    lp_g = [torch.empty_like(t, dtype=torch.bfloat16) for t in gpu]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3.0,
+              decoupled=decoupled, maximize=False)
+    K.fused_adam_(cpu, gc, *state_c, lp_c, inv_scale=torch.tensor([0.5]), found_inf=None, **kw)
+    K.fused_adam_(gpu, gg, *state_g, lp_g, inv_scale=torch.tensor([0.5], device="cuda"),
+                  found_inf=torch.zeros(1, device="cuda"), **kw)
+    for a, b in zip(cpu + lp_c + state_c[0], gpu + lp_g + state_g[0]):
+        assert torch.equal(a, b.cpu())
+
+
+def test_cuda_found_inf_skips_on_device():
+    _, gpu = _pair()
+    before = [t.clone() for t in gpu]
+    K.fused_sgd_(gpu, gpu, [], [], lr=0.1, momentum=0.0, dampening=0.0, nesterov=False,
+                 weight_decay=0.0, maximize=False, first_step=True, inv_scale=None,
+                 found_inf=torch.ones(1, device="cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(before, gpu))
+
+
+def test_cuda_copy_and_flat():
+    cpu, gpu = _pair()
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in gpu]
+    K.copy_cast_(dst, gpu)
+    assert all(torch.equal(d.cpu(), c.bfloat16()) for d, c in zip(dst, cpu))
+    flat = torch.empty(sum(t.numel() for t in gpu), dtype=torch.float16, device="cuda")
+    K.flat_copy_in_(flat, gpu)
+    assert torch.equal(flat.cpu(), torch.cat([c.reshape(-1) for c in cpu]).half())
+    assert _C.build_info()["cuda"]

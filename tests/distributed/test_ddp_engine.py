@@ -1,0 +1,171 @@
+"""The C++ DDP engine against torch's DistributedDataParallel, 2 processes over Gloo."""
+
+import pytest
+
+from harness import run_distributed
+
+
+def _ddp_parity(mixed_precision, steps=10):
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from _helpers import AUTOCAST_DTYPE, loss_fn, make_transformer, transformer_batches
+    from mixprec import Accelerator
+
+    rank = dist.get_rank()
+    ref = DDP(make_transformer(), bucket_cap_mb=25)
+    ours = make_transformer(seed=rank)  # different init per rank: prepare() broadcasts rank 0's
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    acc = Accelerator(mixed_precision=mixed_precision, backend="ddp", cpu=True, log_policy=False,
+                      fused_optimizer=False)
+    model, opt = acc.prepare(ours, torch.optim.AdamW(ours.parameters(), lr=1e-3, weight_decay=0.01))
+    dtype = AUTOCAST_DTYPE[mixed_precision]
+    scaler = torch.amp.GradScaler("cpu", enabled=mixed_precision == "fp16")
+    worst = 0.0
+    for x, y in transformer_batches(steps, seed=100 + rank):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            out = ref(x)
+        scaler.scale(loss_fn(out, y)).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad()
+        acc.backward(loss_fn(model(x), y))
+        assert opt.step().stepped
+        opt.zero_grad()
+        for a, b in zip(ref.module.parameters(), model.parameters()):
+            worst = max(worst, ((a - b).abs() / (a.abs() + 1e-12)).max().item())
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return worst, acc.engine.bytes_reduced_last_backward(), grad_bytes
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16", "fp16"])
+def test_matches_torch_ddp_every_step(mixed_precision):
+    # Same bucket arithmetic as torch's Reducer (x * 1/N fused into the copy, SUM), so the
+    # result is bitwise equal in practice; the acceptance bound is 1e-6 relative.
+    for worst, reduced, grad_bytes in run_distributed(_ddp_parity, 2, args=(mixed_precision,)):
+        assert worst <= 1e-6, worst
+        assert reduced == grad_bytes  # fp32 reduction: exactly the gradient size per step
+
+
+def _accumulation(_):
+    import torch
+    import torch.distributed as dist
+
+    from _helpers import loss_fn, make_mlp
+    from mixprec import Accelerator
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(6)]
+
+    def train(ga):
+        acc = Accelerator(gradient_accumulation_steps=ga, backend="ddp", cpu=True, log_policy=False)
+        model = make_mlp()
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        chunks = [(x[i::ga], y[i::ga]) for x, y in data for i in range(ga)] if ga > 1 else data
+        for x, y in chunks:
+            with acc.accumulate(model):
+                acc.backward(loss_fn(model(x), y))
+                opt.step()
+                opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    big, small = train(1), train(2)
+    return max((a - b).abs().max().item() for a, b in zip(big, small))
+
+
+def test_accumulate_equals_larger_batch():
+    for worst in run_distributed(_accumulation, 2, args=(None,)):
+        assert worst <= 1e-6, worst
+
+
+def _unused(find_unused):
+    import torch
+    from torch import nn
+
+    from mixprec import Accelerator
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.used = nn.Linear(4, 1)
+            self.spare = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.used(self.body(x))
+
+    acc = Accelerator(backend="ddp", cpu=True, log_policy=False,
+                      engine_options={"find_unused_parameters": find_unused})
+    model = TwoHeads()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        acc.backward(model(torch.randn(3, 4)).sum())
+    except ValueError as e:
+        return str(e)
+    opt.step()
+    return [model.spare.weight.grad is None, model.body.weight.grad is not None]
+
+
+def test_unused_parameters_are_named():
+    for message in run_distributed(_unused, 2, args=(False,)):
+        assert "spare.weight, spare.bias" in message and "find_unused_parameters=True" in message
+
+
+def test_find_unused_parameters_handles_them():
+    for spare_grad_none, body_has_grad in run_distributed(_unused, 2, args=(True,)):
+        assert spare_grad_none and body_has_grad
+
+
+def _low_precision_storage(_):
+    import torch
+    import torch.distributed as dist
+
+    from _helpers import loss_fn, make_mlp, mlp_batches
+    from mixprec import Accelerator
+
+    rank = dist.get_rank()
+    acc = Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16, backend="ddp", cpu=True,
+                      log_policy=False, gradient_accumulation_steps=2)
+    model = make_mlp(seed=rank)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for x, y in mlp_batches(6, seed=rank):
+        with acc.accumulate(model):
+            acc.backward(loss_fn(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    masters = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(model.parameters(), masters))
+    gathered = [torch.zeros_like(masters[0]) for _ in range(2)]
+    dist.all_gather(gathered, masters[0])
+    return torch.equal(gathered[0], gathered[1])
+
+
+def test_bf16_storage_keeps_fp32_masters_in_sync():
+    assert all(run_distributed(_low_precision_storage, 2, args=(None,)))
+
+
+def _buckets(_):
+    import torch
+    from torch import nn
+
+    from mixprec import Accelerator
+
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 16.6 KB per layer (w+b)
+    acc = Accelerator(backend="ddp", cpu=True, log_policy=False,
+                      engine_options={"first_bucket_cap_mb": 10e3 / 2**20, "bucket_cap_mb": 40e3 / 2**20})
+    model = acc.prepare(model)
+    return acc.engine.reducers[id(model)].bucket_indices()
+
+
+def test_buckets_in_reverse_order_with_a_small_first_bucket():
+    indices = run_distributed(_buckets, 2, args=(None,))
+    assert indices[0] == indices[1]
+    buckets = indices[0]
+    # 12 params (w, b per layer), registered 0..11; buckets filled from the last one.
+    assert buckets[0] == [11, 10]  # first bucket: ~10 KB cap -> one weight closes it
+    flat = [i for b in buckets for i in b]
+    assert flat == list(range(11, -1, -1))
+    assert all(sum(64 * 64 * 4 if i % 2 == 0 else 256 for i in b) >= 40e3 for b in buckets[1:-1])

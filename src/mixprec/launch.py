@@ -265,8 +265,8 @@ def _summary(d: Path, agent_error: Optional[BaseException]) -> None:
     if first is not None:
         where = f"node {first['node_rank']}, local rank {first['local_rank']}, pid {first['pid']}"
         if first.get("traceback"):
-            print(f"[mixprec launch] FAILED: rank {first['rank']} failed first ({where}); its traceback "
-                  f"was printed above:\n{first['traceback']}", file=out, end="")
+            print(f"[mixprec launch] FAILED: rank {first['rank']} failed first ({where}):\n"
+                  f"{first['traceback']}", file=out, end="")
         else:
             print(f"[mixprec launch] FAILED: rank {first['rank']} failed first ({where}): {first['reason']}",
                   file=out)

@@ -27,7 +27,7 @@ import math
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from ..distributed.collectives import broadcast_object_list
 from ..distributed.state import DistributedState
@@ -256,7 +256,7 @@ def shard_dataloader(
             seed = int(torch.randint(0, 2**31 - 1, ()).item())
             seed = broadcast_object_list(state, [seed], src=0)[0]
         shuffle_seed = seed
-    elif not isinstance(sampler, SequentialSampler) and seed is not None:
+    elif seed is not None:
         raise ValueError(
             f"seed={seed!r} only applies to shuffling loaders (RandomSampler), but this loader uses "
             f"{type(sampler).__name__}; drop seed= or build the DataLoader with shuffle=True"

@@ -201,13 +201,17 @@ def _worker_failed(d: Path, me: dict, tb: str, exc: BaseException) -> None:
         pass
     # A peer that died silently (SIGKILL) a moment ago failed before us: this error is
     # most likely a consequence (e.g. a collective losing its peer). Give it time to show.
+    # With several dead peers (the agent SIGTERMs the rest after a failure) the launcher
+    # decides which was first, from the agent's exit codes.
+    dead: list[dict] = []
     for _ in range(6):
         dead = _dead_peers(d, exclude=me["rank"])
         if dead:
-            _claim_first(d, _no_traceback_record(dead[0]))
+            if len(dead) == 1:
+                _claim_first(d, _no_traceback_record(dead[0]))
             break
         time.sleep(POLL_S)
-    if _claim_first(d, record):
+    if not dead and _claim_first(d, record):
         print(f"[mixprec launch] rank {me['rank']} failed first (node {me['node_rank']}, local rank "
               f"{me['local_rank']}, pid {me['pid']}):\n{tb}", file=sys.stderr, end="", flush=True)
     else:
@@ -225,6 +229,7 @@ class _Supervisor(threading.Thread):
         self.kill_after = kill_after
         self.failed_at: Optional[float] = None
         self.killed: list[int] = []
+        self.silent: dict[int, tuple[float, dict]] = {}
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -233,16 +238,37 @@ class _Supervisor(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.wait(POLL_S):
-            dead = _dead_peers(self.d, exclude=-1)
-            for info in dead:
-                # Re-check: the rank may have written .ok/.err between the two reads.
-                if not (self.d / f"rank{info['rank']}.ok").exists() and not (self.d / f"rank{info['rank']}.err").exists():
-                    _claim_first(self.d, _no_traceback_record(info))
-                    self._mark()
-            if any(self.d.glob("rank*.err")):
-                self._mark()
+            self.scan()
             if self.failed_at is not None and time.monotonic() - self.failed_at >= self.kill_after:
                 self._kill_survivors()
+        self.scan()
+
+    def scan(self) -> None:
+        """Note ranks that died silently (with the time first seen) and any recorded error."""
+        for info in _dead_peers(self.d, exclude=-1):
+            # Re-check: the rank may have written .ok/.err between the two reads.
+            if not (self.d / f"rank{info['rank']}.ok").exists() and not (self.d / f"rank{info['rank']}.err").exists():
+                self.silent.setdefault(info["rank"], (time.monotonic(), info))
+                self._mark()
+        if any(self.d.glob("rank*.err")):
+            self._mark()
+
+    def claim_silent_first(self, exitcodes: dict[int, int]) -> None:
+        """Without a claimed first failure, pick the silently dead rank that failed first:
+        ranks ended by the shutdown itself (SIGTERM from the agent, SIGKILL from us) come
+        last, then the earliest seen."""
+
+        def key(rank: int):
+            code = exitcodes.get(rank)
+            consequence = code == -signal.SIGTERM or rank in self.killed
+            return (consequence, self.silent[rank][0], rank)
+
+        if self.silent:
+            first = min(self.silent, key=key)
+            record = _no_traceback_record(self.silent[first][1])
+            if exitcodes.get(first) is not None:
+                record["reason"] += f"; exit code {exitcodes[first]}"
+            _claim_first(self.d, record)
 
     def _mark(self) -> None:
         if self.failed_at is None:
@@ -324,6 +350,11 @@ def run_launch(args: argparse.Namespace) -> int:
             agent_error = e
         finally:
             supervisor.stop()
+        exitcodes = {}
+        if isinstance(agent_error, ChildFailedError):
+            exitcodes = {rank: f.exitcode for rank, f in agent_error.failures.items()}
+        if not (d / _FIRST).exists():
+            supervisor.claim_silent_first(exitcodes)
         failed = agent_error is not None or (d / _FIRST).exists()
         if failed:
             _summary(d, agent_error if not isinstance(agent_error, ChildFailedError) else None)

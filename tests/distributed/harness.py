@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -63,7 +64,9 @@ def _child(fn, rank: int, world_size: int, port: int, args: tuple, env: dict, ti
     state = None
     try:
         state = init_distributed(torch.device("cpu"), timeout=datetime.timedelta(seconds=timeout))
-        value = fn(state, *args)
+        # Plain pickle: torch's queue reducers would share tensor storage through file
+        # descriptors that vanish when this process exits.
+        value = pickle.dumps(fn(state, *args))
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -151,4 +154,4 @@ def run_distributed(
 def _record(values: dict, rank: int, kind: str, payload: Any, world_size: int) -> None:
     if kind == "error":
         raise RankFailedError(rank, f"rank {rank} of {world_size} failed:\n{payload}")
-    values[rank] = payload
+    values[rank] = pickle.loads(payload)

@@ -312,6 +312,18 @@ def _summary(d: Path, agent_error: Optional[BaseException]) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """Start the job described by parsed ``launch`` arguments; return the exit code."""
     _validate(args)
+    saved = {k: os.environ.get(k) for k in (LAUNCH_DIR_ENV, CONFIG_FILE_ENV)}
+    try:
+        return _run(args)
+    finally:  # the agent passes os.environ to the ranks; leave the caller's as it was
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args

@@ -1,4 +1,5 @@
-"""The ``mixprec`` command line. Subcommands: ``env`` (versions and build flags for bug reports)."""
+"""The ``mixprec`` command line. Subcommands: ``env`` (versions and build flags for bug reports),
+``launch`` (start a multi-process run; see :mod:`mixprec.launch`)."""
 
 from __future__ import annotations
 
@@ -44,9 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="print versions, build flags and backend availability")
+    from . import launch
+
+    launch.add_arguments(sub.add_parser("launch", help="start N processes per node (torch.distributed.run + supervision)"))
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
+    if args.command == "launch":
+        return launch.run_launch(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

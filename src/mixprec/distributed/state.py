@@ -1,0 +1,174 @@
+"""Who this process is in a multi-process job, and the process group that connects it.
+
+Example::
+
+    from mixprec.distributed import init_distributed, destroy_distributed
+    state = init_distributed(torch.device("cpu"))   # reads RANK, WORLD_SIZE, MASTER_ADDR, ...
+    try:
+        if state.is_main_process:
+            print(f"{state.num_processes} processes over {state.backend}")
+    finally:
+        destroy_distributed(state)
+
+There is no process-global mixprec state: pass the returned :class:`DistributedState`
+to the collectives (:mod:`mixprec.distributed.collectives`) and to
+:func:`mixprec.data.shard_dataloader`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedState:
+    """This process's place in the job. ``group`` is the torch ProcessGroup (``None`` on one
+    process); ``backend`` is ``"gloo"``, ``"nccl"`` or ``None`` on one process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    backend: Optional[str] = None
+    group: Any = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def num_processes(self) -> int:
+        return self.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, *, default: Optional[int] = None, minimum: int = 0) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        if default is None:
+            raise ValueError(
+                f"environment variable {name} is not set but WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+                f"asks for a multi-process run; start the script with `mixprec launch` (or torchrun), "
+                f"which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+            )
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer; set it to an int >= {minimum}") from None
+    if value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r} must be >= {minimum}")
+    return value
+
+
+def _env_str(name: str) -> str:
+    raw = os.environ.get(name)
+    if not raw:
+        raise ValueError(
+            f"environment variable {name} is not set but WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} asks for "
+            f"a multi-process run; start the script with `mixprec launch` (or torchrun), or export {name}"
+        )
+    return raw
+
+
+def init_distributed(
+    device: torch.device, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+) -> DistributedState:
+    """Join the job described by the environment and return this process's state.
+
+    With ``WORLD_SIZE`` unset or 1 this returns a single-process state and touches nothing.
+    Otherwise it initialises torch's default process group from ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (Gloo for a CPU ``device``, NCCL for CUDA, where the
+    current CUDA device is set from ``LOCAL_RANK`` first). An already initialised default
+    group is reused (its backend and size must match the environment).
+
+    Example::
+
+        state = init_distributed(torch.device("cuda"))  # cuda:LOCAL_RANK under `mixprec launch`
+    """
+    device = torch.device(device)
+    world_size = _env_int("WORLD_SIZE", default=1, minimum=1)
+    if world_size == 1:
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        return DistributedState(device=device)
+    if not dist.is_available():
+        raise RuntimeError(
+            f"WORLD_SIZE={world_size} asks for a multi-process run but this torch build has no "
+            f"torch.distributed; install a torch wheel with distributed support"
+        )
+    rank = _env_int("RANK")
+    if rank >= world_size:
+        raise ValueError(f"environment variable RANK={rank} must be < WORLD_SIZE={world_size}")
+    local_rank = _env_int("LOCAL_RANK", default=rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", default=world_size, minimum=1)
+    if local_rank >= local_world_size:
+        raise ValueError(
+            f"environment variable LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size}"
+        )
+    node_rank = _env_int("GROUP_RANK", default=rank // local_world_size)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} was asked for but CUDA is not available; pass torch.device('cpu')")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    elif device.type == "cpu":
+        backend = "gloo"
+    else:
+        raise ValueError(f"device={device} is not supported for multi-process runs; use a 'cpu' or 'cuda' device")
+
+    if dist.is_initialized():
+        existing = dist.get_backend()
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"the default process group is already initialised with rank={dist.get_rank()}, "
+                f"world_size={dist.get_world_size()} but the environment says RANK={rank}, "
+                f"WORLD_SIZE={world_size}; destroy it first (torch.distributed.destroy_process_group())"
+            )
+        backend = str(existing)
+    else:
+        _env_str("MASTER_ADDR")
+        _env_int("MASTER_PORT", minimum=1)
+        dist.init_process_group(
+            backend=backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+    return DistributedState(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        backend=backend,
+        group=dist.group.WORLD,
+        device=device,
+    )
+
+
+def destroy_distributed(state: DistributedState) -> None:
+    """Tear down the process group ``state`` uses (a no-op on one process or when it is gone)."""
+    if state.group is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,389 @@
+"""``mixprec launch``: start N processes per node on top of ``torch.distributed.run``.
+
+Example::
+
+    mixprec launch --nproc-per-node 4 train.py --lr 3e-4
+    # two nodes (run one command on each; node 0's address and a port both can reach):
+    mixprec launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 train.py
+    mixprec launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 train.py
+
+Processes are started and rendezvous'd by PyTorch's elastic agent (static rendezvous at
+``--master-addr:--master-port``; on one node a free port is picked when ``--master-port``
+is omitted). mixprec adds supervision on top of the agent:
+
+* each rank runs under a small bootstrap that records its pid and, when the script raises,
+  its traceback (also into torchelastic's ``TORCHELASTIC_ERROR_FILE``);
+* the first rank to fail is determined (a rank that dies without a traceback, e.g.
+  SIGKILL, is found by its pid) and its traceback is printed first, naming the rank; the
+  tracebacks of ranks that failed as a consequence come after it, in the final summary;
+* once any rank has failed, the agent sends SIGTERM to the others at once, and mixprec
+  SIGKILLs whatever is still alive ``KILL_AFTER_S`` seconds later (the agent itself
+  would wait up to 30 s), so every rank is gone within ``KILL_AFTER_S`` + 0.1 s;
+* the launcher exits 1 when any rank failed.
+
+``--config-file`` is handed to the script as the ``MIXPREC_CONFIG_FILE`` environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+LAUNCH_DIR_ENV = "MIXPREC_LAUNCH_DIR"
+CONFIG_FILE_ENV = "MIXPREC_CONFIG_FILE"
+KILL_AFTER_S = 5.0  # SIGKILL survivors this long after the first failure
+POLL_S = 0.05
+_FIRST = "first_failure.json"
+
+
+# ----------------------------------------------------------------------------- arguments
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``launch`` options to ``parser`` (used by ``mixprec launch``)."""
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
+                        help="processes to start on this node (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="R",
+                        help="this node's rank, 0..nnodes-1 (default 0)")
+    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1", metavar="A",
+                        help="address of node 0, reachable from every node (default 127.0.0.1)")
+    parser.add_argument("--master-port", "--master_port", type=int, default=None, metavar="P",
+                        help="free port on node 0 (required with --nnodes > 1; picked on one node)")
+    parser.add_argument("--config-file", default=None, metavar="F",
+                        help=f"config file passed to the script as ${CONFIG_FILE_ENV}")
+    parser.add_argument("--kill-after", type=float, default=KILL_AFTER_S, metavar="S",
+                        help=f"SIGKILL ranks still alive S seconds after the first failure (default {KILL_AFTER_S})")
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.nproc_per_node < 1:
+        raise SystemExit(f"mixprec launch: --nproc-per-node {args.nproc_per_node} must be >= 1")
+    if args.nnodes < 1:
+        raise SystemExit(f"mixprec launch: --nnodes {args.nnodes} must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"mixprec launch: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1} for --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.master_port is None:
+        raise SystemExit(
+            f"mixprec launch: --nnodes {args.nnodes} needs --master-port (and --master-addr, node 0's "
+            f"address): every node must use the same port, so it cannot be picked automatically"
+        )
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise SystemExit(f"mixprec launch: --master-port {args.master_port} must be in 1..65535")
+    if not 0 < args.kill_after <= 8:
+        raise SystemExit(f"mixprec launch: --kill-after {args.kill_after} must be in (0, 8] seconds")
+    if not Path(args.script).is_file():
+        raise SystemExit(f"mixprec launch: script {args.script!r} does not exist; pass the path of a Python file")
+    if args.config_file is not None and not Path(args.config_file).is_file():
+        raise SystemExit(f"mixprec launch: --config-file {args.config_file!r} does not exist; pass an existing file")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- shared files
+def _proc_start_time(pid: int) -> Optional[str]:
+    """Field 22 of /proc/<pid>/stat (start time), or None when the process is gone/a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _claim_first(d: Path, data: dict) -> bool:
+    """Atomically record ``data`` as the job's first failure; False when one is recorded."""
+    try:
+        fd = os.open(d / _FIRST, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    return True
+
+
+def _dead_peers(d: Path, exclude: int) -> list[dict]:
+    """Ranks on this node whose process is gone without a clean exit or a recorded error."""
+    dead = []
+    for pid_file in sorted(d.glob("rank*.pid")):
+        info = _read_json(pid_file)
+        if not info or info["rank"] == exclude:
+            continue
+        rank = info["rank"]
+        if (d / f"rank{rank}.ok").exists() or (d / f"rank{rank}.err").exists():
+            continue
+        if _proc_start_time(info["pid"]) != info["start"]:
+            dead.append(info)
+    return dead
+
+
+def _no_traceback_record(info: dict) -> dict:
+    return {
+        "rank": info["rank"],
+        "local_rank": info["local_rank"],
+        "node_rank": info["node_rank"],
+        "pid": info["pid"],
+        "traceback": None,
+        "reason": "exited without a Python traceback (killed by a signal, os._exit, or a crash in native code)",
+    }
+
+
+# ----------------------------------------------------------------------------- worker side
+def _worker_main(argv: list[str]) -> None:
+    """Run the user script in this rank (started by the elastic agent)."""
+    d = Path(os.environ[LAUNCH_DIR_ENV])
+    rank = int(os.environ["RANK"])
+    me = {
+        "rank": rank,
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "pid": os.getpid(),
+        "start": _proc_start_time(os.getpid()),
+    }
+    _write_json(d / f"rank{rank}.pid", me)
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = str(Path(script).resolve().parent)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code in (None, 0):
+            (d / f"rank{rank}.ok").touch()
+        else:
+            _worker_failed(d, me, f"SystemExit({e.code!r})\n", e)
+        raise
+    except BaseException as e:  # noqa: BLE001 - every failure is reported, then re-raised
+        _worker_failed(d, me, traceback.format_exc(), e)
+        sys.exit(1)
+    (d / f"rank{rank}.ok").touch()
+
+
+def _worker_failed(d: Path, me: dict, tb: str, exc: BaseException) -> None:
+    record = {k: me[k] for k in ("rank", "local_rank", "node_rank", "pid")}
+    record.update(traceback=tb, reason="raised", time=time.time())
+    _write_json(d / f"rank{me['rank']}.err", record)
+    try:  # torchelastic's own error file, read by the agent's failure report
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(exc)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    # A peer that died silently (SIGKILL) a moment ago failed before us: this error is
+    # most likely a consequence (e.g. a collective losing its peer). Give it time to show.
+    # With several dead peers (the agent SIGTERMs the rest after a failure) the launcher
+    # decides which was first, from the agent's exit codes.
+    dead: list[dict] = []
+    for _ in range(6):
+        dead = _dead_peers(d, exclude=me["rank"])
+        if dead:
+            if len(dead) == 1:
+                _claim_first(d, _no_traceback_record(dead[0]))
+            break
+        time.sleep(POLL_S)
+    if not dead and _claim_first(d, record):
+        print(f"[mixprec launch] rank {me['rank']} failed first (node {me['node_rank']}, local rank "
+              f"{me['local_rank']}, pid {me['pid']}):\n{tb}", file=sys.stderr, end="", flush=True)
+    else:
+        print(f"[mixprec launch] rank {me['rank']} failed after another rank; its traceback is in the "
+              f"launcher's summary", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- launcher side
+class _Supervisor(threading.Thread):
+    """Watches this node's ranks; after the first failure, SIGKILLs survivors in time."""
+
+    def __init__(self, d: Path, kill_after: float) -> None:
+        super().__init__(name="mixprec-supervisor", daemon=True)
+        self.d = d
+        self.kill_after = kill_after
+        self.failed_at: Optional[float] = None
+        self.killed: list[int] = []
+        self.silent: dict[int, tuple[float, dict]] = {}
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def run(self) -> None:
+        while not self._halt.wait(POLL_S):
+            self.scan()
+            if self.failed_at is not None and time.monotonic() - self.failed_at >= self.kill_after:
+                self._kill_survivors()
+        self.scan()
+
+    def scan(self) -> None:
+        """Note ranks that died silently (with the time first seen) and any recorded error."""
+        for info in _dead_peers(self.d, exclude=-1):
+            # Re-check: the rank may have written .ok/.err between the two reads.
+            if not (self.d / f"rank{info['rank']}.ok").exists() and not (self.d / f"rank{info['rank']}.err").exists():
+                self.silent.setdefault(info["rank"], (time.monotonic(), info))
+                self._mark()
+        if any(self.d.glob("rank*.err")):
+            self._mark()
+
+    def claim_silent_first(self, exitcodes: dict[int, int]) -> None:
+        """Without a claimed first failure, pick the silently dead rank that failed first:
+        ranks ended by the shutdown itself (SIGTERM from the agent, SIGKILL from us) come
+        last, then the earliest seen."""
+
+        def key(rank: int):
+            code = exitcodes.get(rank)
+            consequence = code == -signal.SIGTERM or rank in self.killed
+            return (consequence, self.silent[rank][0], rank)
+
+        if self.silent:
+            first = min(self.silent, key=key)
+            record = _no_traceback_record(self.silent[first][1])
+            if exitcodes.get(first) is not None:
+                record["reason"] += f"; exit code {exitcodes[first]}"
+            _claim_first(self.d, record)
+
+    def _mark(self) -> None:
+        if self.failed_at is None:
+            self.failed_at = time.monotonic()
+
+    def _kill_survivors(self) -> None:
+        for pid_file in self.d.glob("rank*.pid"):
+            info = _read_json(pid_file)
+            if info and _proc_start_time(info["pid"]) == info["start"]:
+                try:
+                    os.kill(info["pid"], signal.SIGKILL)
+                    self.killed.append(info["rank"])
+                except ProcessLookupError:
+                    pass
+
+
+def _summary(d: Path, agent_error: Optional[BaseException]) -> None:
+    first = _read_json(d / _FIRST)
+    out = sys.stderr
+    if first is not None:
+        where = f"node {first['node_rank']}, local rank {first['local_rank']}, pid {first['pid']}"
+        if first.get("traceback"):
+            print(f"[mixprec launch] FAILED: rank {first['rank']} failed first ({where}):\n"
+                  f"{first['traceback']}", file=out, end="")
+        else:
+            print(f"[mixprec launch] FAILED: rank {first['rank']} failed first ({where}): {first['reason']}",
+                  file=out)
+    secondary = []
+    for err_file in sorted(d.glob("rank*.err")):
+        rec = _read_json(err_file)
+        if rec and (first is None or rec["rank"] != first["rank"]):
+            secondary.append(rec)
+    for rec in secondary:
+        print(f"[mixprec launch] rank {rec['rank']} also failed (node {rec['node_rank']}, local rank "
+              f"{rec['local_rank']}):\n{rec['traceback']}", file=out, end="")
+    if first is None and agent_error is not None:
+        print(f"[mixprec launch] FAILED: {agent_error}", file=out)
+    out.flush()
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Start the job described by parsed ``launch`` arguments; return the exit code."""
+    _validate(args)
+    saved = {k: os.environ.get(k) for k in (LAUNCH_DIR_ENV, CONFIG_FILE_ENV)}
+    try:
+        return _run(args)
+    finally:  # the agent passes os.environ to the ranks; leave the caller's as it was
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    port = args.master_port if args.master_port is not None else _free_port()
+    with tempfile.TemporaryDirectory(prefix="mixprec-launch-") as tmp:
+        d = Path(tmp)
+        os.environ[LAUNCH_DIR_ENV] = str(d)
+        if args.config_file is not None:
+            os.environ[CONFIG_FILE_ENV] = str(Path(args.config_file).resolve())
+        torchrun_argv = [
+            f"--nproc-per-node={args.nproc_per_node}",
+            f"--nnodes={args.nnodes}",
+            f"--node-rank={args.node_rank}",
+            f"--master-addr={args.master_addr}",
+            f"--master-port={port}",
+            "--rdzv-backend=static",
+            "--max-restarts=0",
+            "--monitor-interval=0.1",
+            "-m",
+            "mixprec.launch",
+            args.script,
+            *args.script_args,
+        ]
+        config, cmd, cmd_args = config_from_args(parse_args(torchrun_argv))
+        if hasattr(config, "shutdown_timeout"):
+            config.shutdown_timeout = max(1, int(args.kill_after))
+        supervisor = _Supervisor(d, args.kill_after)
+        supervisor.start()
+        agent_error: Optional[BaseException] = None
+        try:
+            elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+        except ChildFailedError as e:
+            agent_error = e
+        except Exception as e:  # noqa: BLE001 - rendezvous errors etc. are reported, not re-raised
+            agent_error = e
+        finally:
+            supervisor.stop()
+        exitcodes = {}
+        if isinstance(agent_error, ChildFailedError):
+            exitcodes = {rank: f.exitcode for rank, f in agent_error.failures.items()}
+        if not (d / _FIRST).exists():
+            supervisor.claim_silent_first(exitcodes)
+        failed = agent_error is not None or (d / _FIRST).exists()
+        if failed:
+            _summary(d, agent_error if not isinstance(agent_error, ChildFailedError) else None)
+            if (d / _FIRST).exists() is False and isinstance(agent_error, ChildFailedError):
+                print(f"[mixprec launch] FAILED:\n{agent_error.format_msg()}", file=sys.stderr)
+            return 1
+        return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m mixprec.launch`` / ``mixprec launch`` entry point."""
+    parser = add_arguments(argparse.ArgumentParser(prog="mixprec launch", description=__doc__.split("\n")[0]))
+    return run_launch(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    if os.environ.get(LAUNCH_DIR_ENV) and "RANK" in os.environ:
+        _worker_main(sys.argv[1:])
+    else:
+        sys.exit(main())

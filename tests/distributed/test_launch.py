@@ -1,0 +1,156 @@
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from harness import free_port
+
+SUPERVISION_BOUND_S = 10.0
+
+_PRELUDE = """
+import json, os, signal, sys, time
+from pathlib import Path
+import torch
+from mixprec.distributed import init_distributed, destroy_distributed, barrier, reduce
+out = Path(sys.argv[1])
+state = init_distributed(torch.device("cpu"))
+(out / f"pid{state.rank}").write_text(str(os.getpid()))
+"""
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(_PRELUDE + textwrap.dedent(body))
+    return str(path)
+
+
+def _launch(*args, timeout=120, **kw):
+    return subprocess.run([sys.executable, "-m", "mixprec", "launch", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _assert_all_ranks_gone(tmp_path, world):
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(world)]
+    assert not [p for p in pids if _alive(p)], "a rank outlived the launcher"
+
+
+def test_two_processes_run_and_see_their_env(tmp_path):
+    config = tmp_path / "cfg.yaml"
+    config.write_text("x: 1\n")
+    script = _script(tmp_path, """
+        total = reduce(state, torch.tensor([state.rank + 1.0])).item()
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MIXPREC_CONFIG_FILE")
+        info = {k: os.environ.get(k) for k in keys}
+        info.update(total=total, argv=sys.argv[2:], main=__name__)
+        (out / f"rank{state.rank}.json").write_text(json.dumps(info))
+        destroy_distributed(state)
+    """)
+    proc = _launch("--nproc-per-node", "2", "--config-file", str(config), script, str(tmp_path), "--lr", "3")
+    assert proc.returncode == 0, proc.stderr
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, info in enumerate(infos):
+        assert info["RANK"] == info["LOCAL_RANK"] == str(r)
+        assert info["WORLD_SIZE"] == info["LOCAL_WORLD_SIZE"] == "2"
+        assert info["MASTER_ADDR"] == "127.0.0.1" and int(info["MASTER_PORT"]) > 0
+        assert info["MIXPREC_CONFIG_FILE"] == str(config.resolve())
+        assert info["total"] == 3.0 and info["argv"] == ["--lr", "3"] and info["main"] == "__main__"
+
+
+def _supervised_failure(tmp_path, rank0_body: str):
+    script = _script(tmp_path, f"""
+        barrier(state)
+        if state.rank == 1:
+            time.sleep(0.5)
+            (out / "killed_at").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        {rank0_body}
+    """)
+    proc = _launch("--nproc-per-node", "2", script, str(tmp_path), timeout=90)
+    ended = time.time()
+    killed_at = float((tmp_path / "killed_at").read_text())
+    return proc, ended - killed_at
+
+
+def test_sigkilled_rank_ends_the_job_and_is_named(tmp_path):
+    proc, took = _supervised_failure(tmp_path, "reduce(state, torch.ones(1))")
+    assert proc.returncode != 0
+    assert took < SUPERVISION_BOUND_S, f"launcher ended {took:.1f}s after rank 1 was killed"
+    assert "rank 1 failed first" in proc.stderr and "without a Python traceback" in proc.stderr
+    assert proc.stderr.index("rank 1 failed first") < proc.stderr.find("rank 0 also failed") or "rank 0 also failed" not in proc.stderr
+    _assert_all_ranks_gone(tmp_path, 2)
+
+
+def test_rank_ignoring_sigterm_is_killed_within_bound(tmp_path):
+    body = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n        time.sleep(300)"
+    proc, took = _supervised_failure(tmp_path, body)
+    assert proc.returncode != 0
+    assert took < SUPERVISION_BOUND_S, f"launcher ended {took:.1f}s after rank 1 was killed"
+    assert "rank 1 failed first" in proc.stderr
+    _assert_all_ranks_gone(tmp_path, 2)
+
+
+def test_raising_rank_traceback_is_printed_first(tmp_path):
+    script = _script(tmp_path, """
+        barrier(state)
+        if state.rank == 1:
+            raise ValueError("marker from rank one")
+        reduce(state, torch.ones(1))  # loses its peer: a consequence, reported after
+    """)
+    proc = _launch("--nproc-per-node", "2", script, str(tmp_path), timeout=90)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "rank 1 failed first" in err
+    first_tb = err.index("Traceback (most recent call last)")
+    assert err.index("rank 1 failed first") < first_tb < err.index("ValueError: marker from rank one")
+    # no other traceback comes before rank 1's
+    assert err.index("ValueError: marker from rank one") < err.find("Connection closed") or "Connection closed" not in err
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    script = _script(tmp_path, """
+        total = reduce(state, torch.tensor([10.0 ** state.rank])).item()
+        (out / f"rank{state.rank}.json").write_text(json.dumps([state.node_rank, state.world_size, total]))
+        destroy_distributed(state)
+    """)
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), script, str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[0, 2, 11.0], [1, 2, 11.0]]
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--nnodes", "2", "x.py"], "needs --master-port"),
+        (["--nproc-per-node", "0", "x.py"], "--nproc-per-node 0 must be >= 1"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "1234", "x.py"], "--node-rank 2 must be in 0..1"),
+        (["does_not_exist.py"], "script 'does_not_exist.py' does not exist"),
+    ],
+)
+def test_bad_arguments_echo_the_value(tmp_path, args, match):
+    (tmp_path / "x.py").write_text("")
+    proc = _launch(*args, cwd=tmp_path, timeout=60)
+    assert proc.returncode != 0 and match in proc.stderr

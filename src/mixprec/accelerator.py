@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import logging
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from .data.sharding import shard_dataloader
+from .distributed import collectives
+from .distributed.state import DistributedState, destroy_distributed, init_distributed
 from .engines import resolve_backend
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
@@ -56,6 +60,12 @@ class Accelerator:
         log_policy: print the resolved policy once at the first ``prepare()``.
         engine_options: backend-specific settings, e.g. for ``"ddp"``: ``bucket_cap_mb``,
             ``first_bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``.
+        split_batches: prepared dataloaders split each batch across processes (the batch
+            size must divide) instead of giving each process its own batches.
+        even_batches: every process gets the same number of batches (the last ones are
+            completed from the start of the dataset; ``gather_for_metrics`` drops them).
+        data_seed: seed of the shuffling shared by all processes (None: drawn on rank 0).
+        timeout: collective timeout of the process group this Accelerator initialises.
     """
 
     def __init__(
@@ -74,6 +84,10 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         log_policy: bool = True,
         engine_options: Optional[dict] = None,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        data_seed: Optional[int] = None,
+        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
     ) -> None:
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(
@@ -83,12 +97,17 @@ class Accelerator:
             mixed_precision, policy, param_dtype=param_dtype,
             keep_fp32_modules=tuple(keep_fp32_modules), scaler=scaler,
         )
-        engine_cls = resolve_backend(backend)
-        self.device = _pick_device(device, cpu)
+        self.state: DistributedState = init_distributed(_pick_device(device, cpu), timeout=timeout)
+        self.device = self.state.device
+        engine_cls = resolve_backend(backend, self.state.world_size)
         check_device_supports(self.device, self.policy)
-        self.engine = engine_cls(
-            self.policy, self.device, fused_optimizer=fused_optimizer, **(engine_options or {})
-        )
+        options = dict(engine_options or {})
+        if engine_cls.distributed:
+            options.setdefault("group", self.state.group)
+        self.engine = engine_cls(self.policy, self.device, fused_optimizer=fused_optimizer, **options)
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.data_seed = data_seed
         self.gradient_state = GradientState(gradient_accumulation_steps)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self._log_policy = log_policy
@@ -119,15 +138,15 @@ class Accelerator:
 
     @property
     def num_processes(self) -> int:
-        return 1
+        return self.state.world_size
 
     @property
     def process_index(self) -> int:
-        return 0
+        return self.state.rank
 
     @property
     def local_process_index(self) -> int:
-        return 0
+        return self.state.local_rank
 
     @property
     def is_main_process(self) -> bool:
@@ -201,6 +220,11 @@ class Accelerator:
         return prepared
 
     def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader) -> PreparedDataLoader:
+        if self.state.world_size > 1:
+            dataloader = shard_dataloader(
+                dataloader, self.state, split_batches=self.split_batches,
+                even_batches=self.even_batches, seed=self.data_seed,
+            )
         prepared = PreparedDataLoader(dataloader, self.device, self.gradient_state)
         self._dataloaders.append(prepared)
         return prepared
@@ -294,8 +318,58 @@ class Accelerator:
         scaler = self.engine.scaler
         return None if scaler is None else scaler.scale_value()
 
+    # ------------------------------------------------------------ processes
     def wait_for_everyone(self) -> None:
-        """A barrier across processes (nothing to wait for in one process)."""
+        """A barrier across all processes."""
+        collectives.barrier(self.state)
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """Run the block on the main process first, then on the others (e.g. a download)."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        """Like :meth:`main_process_first`, per node."""
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    def gather(self, tensor):
+        """All-gather tensors (nested containers too), concatenated on dim 0."""
+        return collectives.gather(self.state, tensor)
+
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
+        """``gather``, dropping the samples even-batching duplicated at the end of an epoch."""
+        if use_gather_object or not _has_tensor(input_data):
+            gathered = collectives.gather_object(self.state, input_data)
+            flat = [x for part in gathered for x in (part if isinstance(part, list) else [part])]
+            remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else None
+            return flat[:remainder] if remainder else flat
+        remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else None
+        return collectives.gather_for_metrics(self.state, input_data, remainder)
+
+    def reduce(self, tensor, reduction: str = "sum"):
+        """Reduce tensors across processes (``"sum"`` or ``"mean"``); returns new tensors."""
+        return collectives.reduce(self.state, tensor, reduction)
+
+    def pad_across_processes(self, tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
+        """Pad tensors on ``dim`` to the largest size over processes, so they can be gathered."""
+        return collectives.pad_across_processes(self.state, tensor, dim, pad_index, pad_first)
+
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        """Context manager giving this process its share of ``inputs``."""
+        return collectives.split_between_processes(self.state, inputs, apply_padding)
+
+    def end_training(self) -> None:
+        """Tear down the process group this Accelerator initialised."""
+        destroy_distributed(self.state)
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -325,14 +399,25 @@ def _resolve_policy(
     return PrecisionPolicy.from_mixed_precision(mixed_precision or "no", **overrides)
 
 
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(x) for x in obj)
+    if isinstance(obj, dict):
+        return any(_has_tensor(x) for x in obj.values())
+    return False
+
+
 def _pick_device(device: Union[str, torch.device, None], cpu: bool) -> torch.device:
+    """The requested device; CUDA (index chosen from LOCAL_RANK later) unless ``cpu``."""
     if device is not None:
         try:
             return torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"device={device!r} is not a valid torch device: {e}") from None
     if not cpu and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda")
     return torch.device("cpu")
 
 

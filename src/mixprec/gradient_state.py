@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class GradientState:
     """Accumulation bookkeeping shared by an Accelerator and the objects it prepared."""
@@ -12,6 +14,7 @@ class GradientState:
         self.sync_gradients = True  # this micro-batch ends an accumulation window
         self.end_of_dataloader = False  # the prepared dataloader just yielded its last batch
         self.active_dataloaders = 0  # prepared dataloaders currently being iterated
+        self.remainder: Optional[int] = None  # real samples in the last global batch (sharded)
 
     def advance(self) -> None:
         """Called on entering ``accumulate()``: decide whether this micro-batch syncs."""

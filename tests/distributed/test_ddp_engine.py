@@ -5,7 +5,7 @@ import pytest
 from harness import run_distributed
 
 
-def _ddp_parity(mixed_precision, steps=10):
+def _ddp_parity(state, mixed_precision, steps=10):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -48,7 +48,7 @@ def test_matches_torch_ddp_every_step(mixed_precision):
         assert reduced == grad_bytes  # fp32 reduction: exactly the gradient size per step
 
 
-def _accumulation(_):
+def _accumulation(state):
     import torch
     import torch.distributed as dist
 
@@ -76,11 +76,11 @@ def _accumulation(_):
 
 
 def test_accumulate_equals_larger_batch():
-    for worst in run_distributed(_accumulation, 2, args=(None,)):
+    for worst in run_distributed(_accumulation, 2):
         assert worst <= 1e-6, worst
 
 
-def _unused(find_unused):
+def _unused(state, find_unused):
     import torch
     from torch import nn
 
@@ -118,7 +118,7 @@ def test_find_unused_parameters_handles_them():
         assert spare_grad_none and body_has_grad
 
 
-def _low_precision_storage(_):
+def _low_precision_storage(state):
     import torch
     import torch.distributed as dist
 
@@ -144,10 +144,10 @@ def _low_precision_storage(_):
 
 
 def test_bf16_storage_keeps_fp32_masters_in_sync():
-    assert all(run_distributed(_low_precision_storage, 2, args=(None,)))
+    assert all(run_distributed(_low_precision_storage, 2))
 
 
-def _buckets(_):
+def _buckets(state):
     import torch
     from torch import nn
 
@@ -161,7 +161,7 @@ def _buckets(_):
 
 
 def test_buckets_in_reverse_order_with_a_small_first_bucket():
-    indices = run_distributed(_buckets, 2, args=(None,))
+    indices = run_distributed(_buckets, 2)
     assert indices[0] == indices[1]
     buckets = indices[0]
     # 12 params (w, b per layer), registered 0..11; buckets filled from the last one.

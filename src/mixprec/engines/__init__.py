@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from .base import Engine
 from .ddp import DDPEngine
 from .single import SingleEngine
@@ -12,17 +10,28 @@ ENGINES: dict[str, type[Engine]] = {"single": SingleEngine, "ddp": DDPEngine}
 BACKEND_NAMES = ("auto", *ENGINES)
 
 
-def resolve_backend(backend: str) -> type[Engine]:
-    """The engine class for a ``backend`` name (``"auto"`` picks from the environment)."""
+def resolve_backend(backend: str, world_size: int) -> type[Engine]:
+    """The engine class for a ``backend`` name (``"auto"``: ddp when several processes)."""
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
         raise ValueError(
             f"backend={backend!r} is not supported; valid backends: "
             f"{', '.join(repr(b) for b in BACKEND_NAMES)}"
         )
     if backend == "auto":
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        return DDPEngine if world > 1 else SingleEngine
-    return ENGINES[backend]
+        return DDPEngine if world_size > 1 else SingleEngine
+    engine = ENGINES[backend]
+    if engine.distributed and world_size < 2:
+        raise ValueError(
+            f"backend={backend!r} needs several processes but this one runs alone "
+            f"(WORLD_SIZE={world_size}); start it with `mixprec launch --nproc-per-node N "
+            "script.py`, or use backend='single'"
+        )
+    if not engine.distributed and world_size > 1:
+        raise ValueError(
+            f"backend={backend!r} runs one process but WORLD_SIZE={world_size}; use "
+            "backend='ddp' (or 'auto') for a multi-process run"
+        )
+    return engine
 
 
 __all__ = ["BACKEND_NAMES", "DDPEngine", "ENGINES", "Engine", "SingleEngine", "resolve_backend"]

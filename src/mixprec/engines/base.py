@@ -48,6 +48,7 @@ class Engine:
     """
 
     name: ClassVar[str] = "base"
+    distributed: ClassVar[bool] = False  # takes a `group=` process group and needs WORLD_SIZE > 1
 
     def __init__(
         self, policy: PrecisionPolicy, device: torch.device, *, fused_optimizer: bool = True

@@ -24,6 +24,7 @@ class DDPEngine(Engine):
     """
 
     name = "ddp"
+    distributed = True
 
     def __init__(
         self,

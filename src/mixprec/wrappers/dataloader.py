@@ -45,12 +45,24 @@ class PreparedDataLoader:
                     upcoming = next(it)
                 except StopIteration:
                     state.end_of_dataloader = True
+                    state.remainder = self._remainder()
                     yield send_to_device(current, self.device, self._non_blocking)
                     return
                 yield send_to_device(current, self.device, self._non_blocking)
                 current = upcoming
         finally:
+            # Outside the loop nothing is "the last batch" any more (Accelerate's semantics):
+            # gather_for_metrics after the loop keeps everything.
             state.active_dataloaders -= 1
+            state.end_of_dataloader = False
+
+    def _remainder(self):
+        """Real samples in the last global batch when the loader was sharded (else None)."""
+        for obj in (getattr(self.dataloader, "batch_sampler", None), getattr(self.dataloader, "dataset", None)):
+            value = getattr(obj, "remainder", None)
+            if value is not None:
+                return value
+        return None
 
     def set_epoch(self, epoch: int) -> None:
         """Forward to the sampler (and batch sampler) for per-epoch shuffling."""

@@ -1,0 +1,57 @@
+"""The Accelerator facade across processes: backend choice, data sharding, metrics gathering."""
+
+from harness import run_distributed
+
+
+def _facade(state):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mixprec import Accelerator
+
+    acc = Accelerator(cpu=True, log_policy=False, data_seed=7)
+    dataset = TensorDataset(torch.arange(13).float())  # 13 samples, batch 2, 2 ranks: uneven
+    model = torch.nn.Linear(1, 1)
+    model, loader = acc.prepare(model, DataLoader(dataset, batch_size=2, shuffle=True))
+    seen = []
+    for (x,) in loader:
+        seen.append(acc.gather_for_metrics(x))
+    epoch0 = torch.cat(seen).tolist()
+    loader.set_epoch(1)
+    epoch1 = torch.cat([acc.gather_for_metrics(x) for (x,) in loader]).tolist()
+    objects = acc.gather_for_metrics([f"r{acc.process_index}"], use_gather_object=True)
+    with acc.split_between_processes(list(range(5))) as mine:
+        share = mine
+    return {
+        "backend": acc.backend, "index": acc.process_index, "n": acc.num_processes,
+        "main": acc.is_main_process, "epoch0": epoch0, "epoch1": epoch1, "objects": objects,
+        "share": share, "sum": acc.reduce(torch.tensor(float(acc.process_index + 1))).item(),
+    }
+
+
+def test_facade_on_two_processes():
+    r0, r1 = run_distributed(_facade, 2)
+    assert (r0["backend"], r0["index"], r0["n"], r0["main"]) == ("ddp", 0, 2, True)
+    assert (r1["index"], r1["main"]) == (1, False)
+    # Every sample exactly once, duplicates of even batching dropped, same on both ranks.
+    assert sorted(r0["epoch0"]) == [float(i) for i in range(13)]
+    assert r0["epoch0"] == r1["epoch0"]
+    assert sorted(r0["epoch1"]) == sorted(r0["epoch0"]) and r0["epoch1"] != r0["epoch0"]
+    assert r0["objects"] == ["r0", "r1"]
+    assert r0["share"] + r1["share"] == [0, 1, 2, 3, 4]
+    assert r0["sum"] == r1["sum"] == 3.0
+
+
+def _single_backend_refused(state):
+    from mixprec import Accelerator
+
+    try:
+        Accelerator(backend="single", cpu=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_single_backend_with_several_processes_is_refused():
+    for message in run_distributed(_single_backend_refused, 2):
+        assert message and "backend='single' runs one process but WORLD_SIZE=2" in message

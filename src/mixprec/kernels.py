@@ -1,0 +1,260 @@
+"""Multi-tensor kernels of mixprec and their use as a fused optimizer step.
+
+The compiled kernels live in ``mixprec._C``; this module gives them typed
+signatures and plugs the fused Adam/AdamW/SGD kernels into plain
+``torch.optim`` optimizers (:func:`fused_optimizer_step`), keeping the
+optimizer's own state format so ``state_dict()`` stays interchangeable with
+plain torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+__all__ = [
+    "unscale_and_check_",
+    "l2_norm",
+    "fused_adam_",
+    "fused_sgd_",
+    "copy_cast_",
+    "flat_copy_in_",
+    "flat_copy_out_",
+    "supports_fused",
+    "fused_optimizer_step",
+]
+
+
+def unscale_and_check_(tensors: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` in one pass (bitwise equal)."""
+    _C.unscale_and_check_(list(tensors), found_inf, inv_scale)
+
+
+def l2_norm(tensors: Sequence[Tensor], found_inf: Optional[Tensor] = None) -> Tensor:
+    """Global L2 norm (fp32 0-dim); sets ``found_inf`` to 1.0 when it is not finite."""
+    return _C.l2_norm(list(tensors), found_inf)
+
+
+def fused_adam_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    lowp_params: Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    decoupled: bool,
+    maximize: bool,
+    inv_scale: Optional[Tensor],
+    found_inf: Optional[Tensor],
+) -> None:
+    """One Adam (``decoupled=False``) / AdamW step; ``step`` is already incremented."""
+    _C.fused_adam_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                   list(lowp_params), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay, step=step, decoupled=decoupled,
+                   maximize=maximize, inv_scale=inv_scale, found_inf=found_inf)
+
+
+def fused_sgd_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    lowp_params: Sequence[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    first_step: bool,
+    inv_scale: Optional[Tensor],
+    found_inf: Optional[Tensor],
+) -> None:
+    """One ``torch.optim.SGD`` step; buffers are set to the grad when ``first_step``."""
+    _C.fused_sgd_(list(params), list(grads), list(momentum_buffers), list(lowp_params), lr=lr,
+                  momentum=momentum, dampening=dampening, nesterov=nesterov,
+                  weight_decay=weight_decay, maximize=maximize, first_step=first_step,
+                  inv_scale=inv_scale, found_inf=found_inf)
+
+
+def copy_cast_(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every i in one pass (round to nearest-even)."""
+    _C.copy_cast_(list(dsts), list(srcs))
+
+
+def flat_copy_in_(flat: Tensor, srcs: Sequence[Tensor]) -> None:
+    """Pack ``srcs`` back to back into the 1-D buffer ``flat`` (cast to its dtype)."""
+    _C.flat_copy_in_(flat, list(srcs))
+
+
+def flat_copy_out_(dsts: Sequence[Tensor], flat: Tensor) -> None:
+    """Split the 1-D buffer ``flat`` into ``dsts`` (cast to their dtypes)."""
+    _C.flat_copy_out_(list(dsts), flat)
+
+
+# ---- optimizer integration ----------------------------------------------------
+
+_ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _group_supported(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    if group.get("capturable", False) or group.get("differentiable", False):
+        return False
+    if type(optimizer) in _ADAM_TYPES and group.get("amsgrad", False):
+        return False
+    for p in group["params"]:
+        if p.dtype != torch.float32 or p.is_complex() or not p.is_contiguous():
+            return False
+        if p.grad is not None and (p.grad.is_sparse or p.grad.dtype not in _KERNEL_DTYPES):
+            return False
+    return True
+
+
+def supports_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """True when :func:`fused_optimizer_step` can step this optimizer.
+
+    Exactly ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (subclasses may change the
+    update), fp32 dense contiguous params, and no amsgrad / capturable /
+    differentiable. The ``foreach`` and ``fused`` flags do not matter.
+    """
+    if type(optimizer) not in (*_ADAM_TYPES, torch.optim.SGD):
+        return False
+    return all(_group_supported(optimizer, g) for g in optimizer.param_groups)
+
+
+def _scalar(x) -> float:
+    # torch's single-tensor path turns tensor hyper-parameters into Python
+    # numbers through .item() as well (Adam with a tensor lr: see the tests).
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def _lowp(lowp_of: Optional[Mapping[int, Tensor]], p: Tensor) -> Optional[Tensor]:
+    return None if lowp_of is None else lowp_of.get(id(p))
+
+
+def _state_ok(state: dict, keys: Sequence[str], p: Tensor) -> bool:
+    for k in keys:
+        t = state.get(k)
+        if t is not None and not (t.dtype == torch.float32 and t.is_contiguous()
+                                  and t.device == p.device and t.shape == p.shape):
+            return False
+    return True
+
+
+def _adam_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
+    for group in optimizer.param_groups:
+        if not all(_state_ok(optimizer.state[p], ("exp_avg", "exp_avg_sq"), p)
+                   for p in group["params"] if p.grad is not None):
+            return False
+    for group in optimizer.param_groups:
+        decoupled = bool(group.get("decoupled_weight_decay",
+                                   type(optimizer) is torch.optim.AdamW))
+        beta1, beta2 = (_scalar(b) for b in group["betas"])
+        # [Note: buckets] one kernel call per (step value, device, has-lowp):
+        # params of a group that joined later carry a smaller step.
+        buckets: dict = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if len(state) == 0:
+                # As torch.optim.Adam._init_group: step is a float32 CPU scalar.
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            lp = _lowp(lowp_of, p)
+            key = (float(state["step"].item()), p.device, lp is not None)
+            b = buckets.setdefault(key, ([], [], [], [], []))
+            b[0].append(p)
+            b[1].append(p.grad.contiguous())
+            b[2].append(state["exp_avg"])
+            b[3].append(state["exp_avg_sq"])
+            if lp is not None:
+                b[4].append(lp)
+        for (step, _, _), (ps, gs, ms, vs, lps) in buckets.items():
+            _C.fused_adam_(ps, gs, ms, vs, lps, lr=_scalar(group["lr"]), beta1=beta1,
+                           beta2=beta2, eps=float(group["eps"]),
+                           weight_decay=float(group["weight_decay"]), step=step,
+                           decoupled=decoupled, maximize=bool(group["maximize"]),
+                           inv_scale=_on(inv_scale, ps[0]), found_inf=None)
+    return True
+
+
+def _sgd_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
+    for group in optimizer.param_groups:
+        if not all(_state_ok(optimizer.state[p], ("momentum_buffer",), p)
+                   for p in group["params"] if p.grad is not None):
+            return False
+    for group in optimizer.param_groups:
+        momentum = float(group["momentum"])
+        buckets: dict = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            buf = state.get("momentum_buffer") if momentum != 0 else None
+            first = momentum != 0 and buf is None
+            if first:
+                buf = torch.empty_like(p, memory_format=torch.contiguous_format)
+                state["momentum_buffer"] = buf
+            lp = _lowp(lowp_of, p)
+            b = buckets.setdefault((first, p.device, lp is not None), ([], [], [], []))
+            b[0].append(p)
+            b[1].append(p.grad.contiguous())
+            if buf is not None:
+                b[2].append(buf)
+            if lp is not None:
+                b[3].append(lp)
+        for (first, _, _), (ps, gs, bufs, lps) in buckets.items():
+            _C.fused_sgd_(ps, gs, bufs, lps, lr=_scalar(group["lr"]), momentum=momentum,
+                          dampening=float(group["dampening"]), nesterov=bool(group["nesterov"]),
+                          weight_decay=float(group["weight_decay"]),
+                          maximize=bool(group["maximize"]), first_step=first,
+                          inv_scale=_on(inv_scale, ps[0]), found_inf=None)
+    return True
+
+
+def _on(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+    return None if t is None else t.to(device=like.device, dtype=torch.float32).reshape(1)
+
+
+@torch.no_grad()
+def fused_optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    *,
+    lowp_of: Optional[Mapping[int, Tensor]] = None,
+    inv_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+) -> bool:
+    """Step ``optimizer`` with the fused kernels; False (nothing done) if unsupported.
+
+    ``lowp_of`` maps ``id(param)`` to a bf16/fp16 tensor that receives the
+    updated param in the same pass. Grads are multiplied by ``inv_scale`` first
+    when given. When ``found_inf`` is nonzero the step is skipped entirely
+    (state, step counts and params untouched) and True is returned: the step
+    was handled. Reading ``found_inf`` here is one host sync on accelerators.
+    """
+    if not supports_fused(optimizer):
+        return False
+    if lowp_of is not None:
+        for lp in lowp_of.values():
+            if lp.dtype not in (torch.bfloat16, torch.float16) or not lp.is_contiguous():
+                return False
+    if found_inf is not None and float(found_inf.item()) != 0.0:
+        return True
+    if type(optimizer) is torch.optim.SGD:
+        return _sgd_step(optimizer, lowp_of, inv_scale, found_inf)
+    return _adam_step(optimizer, lowp_of, inv_scale, found_inf)

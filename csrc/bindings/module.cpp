@@ -26,5 +26,6 @@ PYBIND11_MODULE(_C, m) {
         "whether CUDA kernels were compiled, C++ ABI.");
   mixprec::bindings::init_precision(m);
   mixprec::bindings::init_kernels(m);
+  mixprec::bindings::init_engines(m);
 
 }

@@ -39,7 +39,7 @@ void init_precision(py::module_& m) {
       .def_property_readonly("found_inf", &GradScaler::found_inf)
       .def_property_readonly("scale", &GradScaler::scale)
       .def("scale_value", &GradScaler::scale_value)
-      .def("update", &GradScaler::update)
+      .def("update", &GradScaler::update, py::arg("tensor_ops") = false)
       .def("clear_found_inf", &GradScaler::clear_found_inf)
       .def_property_readonly("options", &GradScaler::options)
       .def("growth_tracker", &GradScaler::growth_tracker)

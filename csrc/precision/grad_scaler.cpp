@@ -45,7 +45,7 @@ at::Tensor GradScaler::scale_loss(const at::Tensor& loss) const {
   TORCH_CHECK_VALUE(loss.device() == scale_.device(), "loss is on ", loss.device(),
                     " but the scaler lives on ", scale_.device(),
                     "; compute the loss on the model's device");
-  return loss * scale_.view({});
+  return loss * scale_.squeeze(0);
 }
 
 at::Tensor GradScaler::inv_scale() const {
@@ -73,8 +73,8 @@ void GradScaler::load(double scale, int64_t growth_tracker, int64_t hysteresis_l
 
 void GradScaler::clear_found_inf() { found_inf_.zero_(); }
 
-void GradScaler::update() {
-  if (scale_.is_cpu()) {
+void GradScaler::update(bool tensor_ops) {
+  if (scale_.is_cpu() && !tensor_ops) {
     update_on_host();
   } else {
     update_on_device();

@@ -41,7 +41,9 @@ class GradScaler {
   double scale_value() const;
 
   // Apply the step outcome held in found_inf() to the scale, then clear found_inf.
-  void update();
+  // `tensor_ops` forces the accelerator code path on any device (tests use it to
+  // prove the two paths agree).
+  void update(bool tensor_ops = false);
   // Reset found_inf without touching the scale (a step that was abandoned).
   void clear_found_inf();
 

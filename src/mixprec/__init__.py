@@ -1,11 +1,31 @@
-"""mixprec: correct, fast mixed-precision training for your own PyTorch loop."""
+"""mixprec: correct, fast mixed-precision training for your own PyTorch loop.
+
+Example::
+
+    from mixprec import Accelerator
+    accelerator = Accelerator(mixed_precision="bf16")
+    model, optimizer = accelerator.prepare(model, optimizer)
+"""
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
+from .accelerator import Accelerator
+from .errors import MixprecError, UnscaledBackwardError
+from .policy import PrecisionPolicy, ScalerConfig
+from .step import StepResult
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "build_info"]
+__all__ = [
+    "Accelerator",
+    "MixprecError",
+    "PrecisionPolicy",
+    "ScalerConfig",
+    "StepResult",
+    "UnscaledBackwardError",
+    "__version__",
+    "build_info",
+]
 
 
 def build_info() -> dict:

@@ -1,0 +1,354 @@
+"""The engine contract, and the per-step precision machinery every engine shares.
+
+An engine owns what happens to parameters and gradients between ``prepare()`` and the
+end of ``optimizer.step()``: fp32 masters, loss scaling, unscale + overflow check,
+gradient norm, the optimizer update and the write-back of low-precision weights.
+Engines for other backends override the communication points (``no_sync``,
+``reduce_gradients``, ``all_reduce_found_inf``) and keep the precision rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import logging
+from typing import ClassVar, Iterable, Optional
+
+import torch
+from torch import nn
+
+from .. import _C, kernels
+from ..errors import UnscaledBackwardError
+from ..policy import PrecisionPolicy, dtype_name
+from ..step import StepResult
+from ..utils import LOW_PRECISION
+from ..wrappers.model import AutocastGate, ForwardContext, swap_class
+
+logger = logging.getLogger("mixprec")
+
+
+class OptimizerState:
+    """Bookkeeping for one prepared optimizer between two steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer  # the user's optimizer; its param_groups hold masters
+        self.unscaled = False  # grads already unscaled (and checked) this step
+        self.grad_norm: Optional[torch.Tensor] = None  # set by clip_grad_norm_ this step
+        self.last: Optional[StepResult] = None  # outcome of the last real step
+        self.skipped = 0  # steps skipped for overflow so far
+
+
+class Engine:
+    """Single-process precision machinery; subclasses add communication.
+
+    Lifecycle: ``prepare_model`` -> ``prepare_optimizer`` -> per step ``backward``
+    (any number, inside ``no_sync`` while accumulating), ``clip_grad_norm_``
+    (optional), ``step``, ``zero_grad``.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(
+        self, policy: PrecisionPolicy, device: torch.device, *, fused_optimizer: bool = True
+    ) -> None:
+        self.policy = policy  # resolved precision policy
+        self.device = device  # where parameters and gradients live
+        self.fused_optimizer = fused_optimizer  # use the C++ fused Adam/AdamW/SGD when eligible
+        self.scaler: Optional[_C.GradScaler] = None  # dynamic loss scaler (fp16 only)
+        if policy.loss_scaling:
+            options = _C.ScalerOptions(**dataclasses.asdict(policy.scaler))
+            self.scaler = _C.GradScaler(options, device)
+        self.masters: list[_C.MasterWeights] = []  # one per prepared model with low-precision params
+        self.master_of: dict[int, torch.Tensor] = {}  # id(model param) -> its fp32 master
+        self.lowp_of: dict[int, torch.Tensor] = {}  # id(master) -> the model param it refreshes
+        self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
+        self.scaled_backward = False  # a backward went through the scaler since the last step
+
+    # ------------------------------------------------------------------ models
+    def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
+        """Move ``model`` to the device, apply the storage policy, create fp32 masters and
+        make its forward follow the policy. Returns the same object."""
+        model.to(self.device)
+        fp32_modules = self._fp32_modules(model)
+        fp32_params = {id(p) for m in fp32_modules for p in m.parameters()}
+        candidates = [
+            p
+            for p in model.parameters()
+            if p.requires_grad and p.is_floating_point() and id(p) not in fp32_params
+        ]
+        for m in fp32_modules:
+            for p in m.parameters():
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    p.data = p.data.float()
+        target = self.policy.param_dtype
+        needs_master = [
+            p
+            for p in candidates
+            if id(p) not in self.master_of
+            and (p.dtype in LOW_PRECISION or (target is not None and target != torch.float32))
+        ]
+        if self.policy.master_dtype is not None and needs_master:
+            # Masters are cloned before any cast so they keep every fp32 bit given.
+            given = sorted({dtype_name(p.dtype) for p in needs_master})
+            weights = _C.MasterWeights(needs_master)
+            self.masters.append(weights)
+            for p, m in zip(weights.params, weights.masters):
+                self.master_of[id(p)] = m
+                self.lowp_of[id(m)] = p
+            if target is None:
+                logger.warning(
+                    "mixprec: %d trainable parameter(s) came in %s: fp32 master weights were "
+                    "added; the optimizer updates the masters and the %s weights are refreshed "
+                    "from them after every step",
+                    len(needs_master),
+                    "/".join(given),
+                    "/".join(given),
+                )
+        if target is not None:
+            for p in candidates:
+                if p.dtype != target:
+                    p.data = p.data.to(target)
+        input_dtype = target if target is not None else _dominant_dtype(model)
+        ctx = ForwardContext(
+            self.policy, self.device.type, input_dtype, gate, on_zero_grad=self.zero_model_grads
+        )
+        swap_class(model, ctx)
+        for m in fp32_modules:
+            swap_class(m, ForwardContext(self.policy, self.device.type, None, gate, fp32_region=True))
+        return model
+
+    def _fp32_modules(self, model: nn.Module) -> list[nn.Module]:
+        patterns = self.policy.keep_fp32_modules
+        if not patterns:
+            return []
+        found = []
+        for name, m in model.named_modules():
+            if any(fnmatch.fnmatchcase(name, pat) or type(m).__name__ == pat for pat in patterns):
+                found.append(m)
+        if not found:
+            raise ValueError(
+                f"keep_fp32_modules={list(patterns)!r} matched no module of "
+                f"{type(model).__name__}; give module class names (e.g. 'LayerNorm') or "
+                "dotted paths with wildcards (e.g. 'encoder.*.norm')"
+            )
+        return found
+
+    def zero_model_grads(self, model: nn.Module) -> None:
+        """``model.zero_grad()`` on a prepared model also clears its masters' grads."""
+        for p in model.parameters():
+            master = self.master_of.get(id(p))
+            if master is not None:
+                master.grad = None
+
+    def full_state_dict(self, model: nn.Module) -> dict:
+        """``model.state_dict()`` with every parameter in full precision (fp32 masters)."""
+        state = model.state_dict()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            master = self.master_of.get(id(p))
+            if master is not None and name in state:
+                state[name] = master.detach().clone()
+        return state
+
+    # --------------------------------------------------------------- optimizers
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerState:
+        """Point the optimizer at the fp32 masters (its own state moves with them)."""
+        for group in optimizer.param_groups:
+            swapped = []
+            for p in group["params"]:
+                master = self.master_of.get(id(p))
+                if master is not None:
+                    if p in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(p)
+                    swapped.append(master)
+                else:
+                    swapped.append(p)
+            group["params"] = swapped
+        state = OptimizerState(optimizer)
+        self.optimizers[id(optimizer)] = state
+        return state
+
+    @staticmethod
+    def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [
+            p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        ]
+
+    def fold_grads(self) -> None:
+        """Move pending low-precision grads into the fp32 master grads."""
+        for weights in self.masters:
+            weights.fold_grads()
+
+    # ------------------------------------------------------------------ steps
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.scaler is None:
+            return loss
+        self.scaled_backward = True
+        return self.scaler.scale_loss(loss)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self.scale_loss(loss).backward(**kwargs)
+        self.fold_grads()
+
+    def no_sync(self, model: nn.Module):
+        """Context in which gradients accumulate locally without communication."""
+        return contextlib.nullcontext()
+
+    def unscale_(self, state: OptimizerState) -> None:
+        """Unscale this optimizer's grads and record non-finite ones (once per step)."""
+        self.fold_grads()
+        if self.scaler is None or state.unscaled:
+            return
+        kernels.unscale_and_check_(
+            self._grads(state.optimizer), self.scaler.found_inf, self.scaler.inv_scale()
+        )
+        state.unscaled = True
+
+    def grad_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        master = self.master_of.get(id(p))
+        return (master if master is not None else p).grad
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        for state in self.optimizers.values():
+            self.unscale_(state)
+        self.fold_grads()
+        grads = [g for p in parameters if (g := self.grad_of(p)) is not None]
+        if not grads:
+            total = torch.zeros((), device=self.device)
+        elif float(norm_type) == 2.0:
+            total = kernels.l2_norm(grads)
+        else:
+            total = torch.nn.utils.get_total_norm(grads, norm_type)
+        clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        for state in self.optimizers.values():
+            state.grad_norm = total
+        return total
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        for state in self.optimizers.values():
+            self.unscale_(state)
+        grads = [g for p in parameters if (g := self.grad_of(p)) is not None]
+        for g in grads:
+            g.clamp_(min=-clip_value, max=clip_value)
+
+    def _fused_eligible(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not self.fused_optimizer or not kernels.supports_fused(optimizer):
+            return False
+        # Step hooks registered on the optimizer would be bypassed: keep the generic path.
+        from torch.optim import optimizer as optim_mod
+
+        return not (
+            optimizer._optimizer_step_pre_hooks
+            or optimizer._optimizer_step_post_hooks
+            or optim_mod._global_optimizer_pre_hooks
+            or optim_mod._global_optimizer_post_hooks
+        )
+
+    def step(self, state: OptimizerState, closure=None) -> StepResult:
+        """One optimizer step under the policy. Weights change only if it reports stepped."""
+        optimizer = state.optimizer
+        self.fold_grads()
+        loss_scale = None
+        if self.scaler is not None:
+            if closure is not None:
+                raise NotImplementedError(
+                    "optimizer.step(closure) with fp16 loss scaling: the closure would run an "
+                    "unscaled backward; call accelerator.backward() in your loop instead"
+                )
+            if not self.scaled_backward and self._grads(optimizer):
+                raise UnscaledBackwardError(
+                    "mixed_precision='fp16': these gradients come from a backward that did not "
+                    "go through the loss scaler (loss.backward() was called directly). No update "
+                    "was applied. Use accelerator.backward(loss), or "
+                    "accelerator.scale(loss).backward()."
+                )
+            self.unscale_(state)
+            loss_scale = self.scaler.scale_value()
+            overflow = bool(self.scaler.found_inf.item())
+        else:
+            overflow = False
+        norm = None if state.grad_norm is None else float(state.grad_norm)
+        if overflow:
+            result = StepResult(False, "overflow", loss_scale, norm)
+            state.skipped += 1
+        else:
+            self._apply_update(optimizer, closure)
+            result = StepResult(True, "ok", loss_scale, norm)
+        if self.scaler is not None:
+            self.scaler.update()
+        state.unscaled = False
+        state.grad_norm = None
+        state.last = result
+        self.scaled_backward = False
+        return result
+
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure) -> None:
+        if closure is None and self._fused_eligible(optimizer):
+            if kernels.fused_optimizer_step(optimizer, lowp_of=self.lowp_of):
+                # LRScheduler watches optimizer.step() through this flag to warn about
+                # calling scheduler.step() first; the fused path did step.
+                optimizer._opt_called = True
+                return
+        optimizer.step(closure)
+        self.write_back(optimizer)
+
+    def write_back(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refresh the low-precision params of this optimizer's masters."""
+        dsts, srcs = [], []
+        for group in optimizer.param_groups:
+            for m in group["params"]:
+                p = self.lowp_of.get(id(m))
+                if p is not None:
+                    dsts.append(p)
+                    srcs.append(m)
+        if dsts:
+            with torch.no_grad():
+                kernels.copy_cast_(dsts, srcs)
+
+    def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
+        state.optimizer.zero_grad(set_to_none=set_to_none)
+        for group in state.optimizer.param_groups:
+            for m in group["params"]:
+                p = self.lowp_of.get(id(m))
+                if p is not None:
+                    p.grad = None
+
+    # ------------------------------------------------------------ scaler state
+    def scaler_state_dict(self) -> dict:
+        if self.scaler is None:
+            return {}
+        o = self.scaler.options
+        return {
+            "scale": self.scaler.scale_value(),
+            "growth_factor": o.growth_factor,
+            "backoff_factor": o.backoff_factor,
+            "growth_interval": o.growth_interval,
+            "_growth_tracker": self.scaler.growth_tracker(),
+            "hysteresis": o.hysteresis,
+            "_hysteresis_left": self.scaler.hysteresis_left(),
+        }
+
+    def load_scaler_state_dict(self, state: dict) -> None:
+        if self.scaler is None:
+            if state:
+                raise ValueError(
+                    "this checkpoint holds loss-scaler state but the policy "
+                    f"{self.policy.name!r} has no loss scaling; load it with mixed_precision='fp16'"
+                )
+            return
+        self.scaler.load(
+            float(state["scale"]), int(state["_growth_tracker"]), int(state.get("_hysteresis_left", 1))
+        )
+
+
+def _dominant_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """dtype most floating parameters of ``model`` have (None when it has none)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else None

@@ -1,0 +1,106 @@
+"""``backend="ddp"``: replicated parameters, gradients all-reduced by the C++ Reducer."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _C
+from ..policy import PrecisionPolicy
+from ..wrappers.model import AutocastGate
+from .base import Engine
+
+
+class DDPEngine(Engine):
+    """Data parallel: every rank holds the whole model; gradients are averaged in buckets
+    that are all-reduced while backward is still running (see csrc/engines/replicated).
+
+    Gradients end up identical on every rank, so the loss-scaler decision, the gradient
+    norm and the optimizer step need no further communication.
+    """
+
+    name = "ddp"
+
+    def __init__(
+        self,
+        policy: PrecisionPolicy,
+        device: torch.device,
+        *,
+        fused_optimizer: bool = True,
+        group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__(policy, device, fused_optimizer=fused_optimizer)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "backend='ddp' needs an initialised torch.distributed process group: start the "
+                "script with `mixprec launch --nproc-per-node N script.py`"
+            )
+        self.group = group if group is not None else dist.group.WORLD  # communication group
+        self.group_name = self.group.group_name  # how C++ resolves it
+        self.world_size = dist.get_world_size(self.group)
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0 (MiB)")
+        self.reducer_options = _C.ReducerOptions(
+            bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+            first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20),
+            reduce_dtype=policy.reduce_dtype,
+            find_unused_parameters=find_unused_parameters,
+        )
+        self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward
+        self.reducers: dict[int, _C.Reducer] = {}  # id(model) -> its reducer
+
+    def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
+        model.to(self.device)
+        # Every rank starts from rank 0's weights and buffers, in the dtype they were given
+        # (before any low-precision cast, so fp32 masters are exact everywhere).
+        state = [t.detach() for t in model.parameters()] + [b for b in model.buffers()]
+        with torch.no_grad():
+            _C.broadcast_coalesced(state, self.group_name, 0)
+        super().prepare_model(model, gate)
+        names, params, targets = [], [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                names.append(name)
+                params.append(p)
+                targets.append(self.master_of.get(id(p), p))
+        if not params:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters to train with ddp")
+        self.reducers[id(model)] = _C.Reducer(params, targets, names, self.group_name, self.reducer_options)
+        if self.broadcast_buffers and any(True for _ in model.buffers()):
+            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(model)
+        return model
+
+    def _sync_buffers(self, model: nn.Module) -> None:
+        buffers = [b for b in model.buffers()]
+        if buffers and torch.is_grad_enabled():
+            with torch.no_grad():
+                _C.broadcast_coalesced(buffers, self.group_name, 0)
+
+    def fold_grads(self) -> None:
+        # The Reducer's hooks fold low-precision grads into the masters during backward.
+        return None
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        reducer = self.reducers.get(id(model))
+        if reducer is None:
+            raise ValueError(f"no_sync() got a model that this accelerator did not prepare: {type(model).__name__}")
+        previous = reducer.sync
+        reducer.set_sync(False)
+        try:
+            yield
+        finally:
+            reducer.set_sync(previous)
+
+    def bytes_reduced_last_backward(self) -> int:
+        """Gradient bytes all-reduced by the last synchronising backward (all models)."""
+        return sum(r.bytes_reduced_last_backward() for r in self.reducers.values())

@@ -1,0 +1,24 @@
+"""Where we are in gradient accumulation. One instance per Accelerator (no globals)."""
+
+from __future__ import annotations
+
+
+class GradientState:
+    """Accumulation bookkeeping shared by an Accelerator and the objects it prepared."""
+
+    def __init__(self, accumulation_steps: int) -> None:
+        self.accumulation_steps = accumulation_steps  # micro-batches per optimizer step
+        self.step = 0  # micro-batches seen since the last boundary
+        self.sync_gradients = True  # this micro-batch ends an accumulation window
+        self.end_of_dataloader = False  # the prepared dataloader just yielded its last batch
+        self.active_dataloaders = 0  # prepared dataloaders currently being iterated
+
+    def advance(self) -> None:
+        """Called on entering ``accumulate()``: decide whether this micro-batch syncs."""
+        if self.end_of_dataloader:
+            # The last batch of an epoch always closes the window (Accelerate's semantics).
+            self.step = 0
+            self.sync_gradients = True
+            return
+        self.step += 1
+        self.sync_gradients = self.step % self.accumulation_steps == 0

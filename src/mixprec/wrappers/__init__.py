@@ -1,0 +1,1 @@
+"""Objects returned by ``Accelerator.prepare``."""

@@ -1,0 +1,143 @@
+"""The prepared model: the user's own module, running its forward under the policy.
+
+[Note: why prepare() swaps the model's class]
+``prepare()`` returns the very module it was given (same object, same parameters,
+same ``state_dict()`` keys, ``isinstance`` still true), so an Accelerate loop keeps
+working unchanged. The forward behaviour is added the way FSDP2's ``fully_shard``
+does it: the instance's class becomes a subclass that overrides ``forward``. The
+override wraps the original forward in one ``with`` block, so an exception inside
+forward can never leave autocast switched on (forward hooks cannot promise that),
+and no attribute of the user's object is monkey-patched. ``restore_class`` undoes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..policy import PrecisionPolicy
+from ..utils import cast_floating, upcast_low_precision
+
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+class AutocastGate:
+    """Tracks ``Accelerator.autocast(enabled=False)`` regions (per thread) so a prepared
+    model does not re-enable autocast inside them."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _stack(self) -> list:
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
+
+    @contextlib.contextmanager
+    def override(self, enabled: bool):
+        self._stack().append(enabled)
+        try:
+            yield
+        finally:
+            self._stack().pop()
+
+    def blocked(self) -> bool:
+        stack = self._stack()
+        return bool(stack) and not stack[-1]
+
+
+class ForwardContext:
+    """What a prepared module's forward needs to know: where inputs go, which autocast."""
+
+    def __init__(
+        self,
+        policy: PrecisionPolicy,
+        device_type: str,
+        input_dtype: Optional[torch.dtype],
+        gate: AutocastGate,
+        *,
+        fp32_region: bool = False,
+        on_zero_grad: Optional[Callable[[nn.Module], None]] = None,
+    ) -> None:
+        self.policy = policy
+        self.device_type = device_type
+        self.input_dtype = input_dtype  # dtype floating inputs are cast to (None: untouched)
+        self.gate = gate
+        self.fp32_region = fp32_region  # a keep_fp32 module: autocast off, fp32 inputs
+        self.on_zero_grad = on_zero_grad  # clears grads the engine keeps for this module
+        self.pre_forward: Optional[Callable[[], None]] = None  # engine work before forward
+
+    def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.pre_forward is not None:
+            self.pre_forward()
+        if self.fp32_region:
+            args, kwargs = cast_floating((args, kwargs), torch.float32)
+            with torch.autocast(self.device_type, enabled=False):
+                return forward(*args, **kwargs)
+        if self.input_dtype is not None and self.policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), self.input_dtype)
+        # The caller's own autocast is kept as it is; an Accelerator.autocast(enabled=False)
+        # region stays off. Otherwise forward runs under the policy's compute dtype.
+        open_autocast = (
+            self.policy.autocast_enabled
+            and not torch.is_autocast_enabled(self.device_type)
+            and not self.gate.blocked()
+        )
+        if open_autocast:
+            with torch.autocast(self.device_type, dtype=self.policy.compute_dtype):
+                out = forward(*args, **kwargs)
+        else:
+            out = forward(*args, **kwargs)
+        if self.policy.output_dtype is not None:
+            out = upcast_low_precision(out, self.policy.output_dtype)
+        return out
+
+
+class _MixprecForward:
+    """Mixin placed in front of the user's module class (see the Note above)."""
+
+    _mixprec_ctx: ForwardContext
+
+    def forward(self, *args, **kwargs):  # noqa: D401
+        return self._mixprec_ctx.run(super().forward, args, kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The fp32 master grads of this module's parameters belong with its .grad.
+        super().zero_grad(set_to_none)
+        hook = self._mixprec_ctx.on_zero_grad
+        if hook is not None:
+            hook(self)
+
+
+def swap_class(module: nn.Module, ctx: ForwardContext) -> None:
+    """Make ``module`` run its forward through ``ctx`` (idempotent: re-prepare updates ctx)."""
+    cls = type(module)
+    if isinstance(module, _MixprecForward):
+        object.__setattr__(module, "_mixprec_ctx", ctx)
+        return
+    key = (cls, _MixprecForward)
+    if key not in _SWAPPED:
+        _SWAPPED[key] = type(
+            cls.__name__,
+            (_MixprecForward, cls),
+            {"__module__": cls.__module__, "_mixprec_original": cls},
+        )
+    object.__setattr__(module, "_mixprec_ctx", ctx)
+    module.__class__ = _SWAPPED[key]
+
+
+def restore_class(module: nn.Module) -> nn.Module:
+    """Undo :func:`swap_class` on ``module`` and all its submodules."""
+    for m in module.modules():
+        if isinstance(m, _MixprecForward):
+            m.__class__ = type(m)._mixprec_original
+            object.__delattr__(m, "_mixprec_ctx")
+    return module
+
+
+def is_prepared(module: nn.Module) -> bool:
+    return isinstance(module, _MixprecForward)

@@ -1,0 +1,54 @@
+"""The prepared LR scheduler: advances only when its optimizer really stepped."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..gradient_state import GradientState
+    from .optimizer import PreparedOptimizer
+
+
+class PreparedScheduler:
+    """Wraps a ``torch.optim.lr_scheduler.LRScheduler`` (or anything with ``step()``).
+
+    ``step()`` does nothing while accumulating or when the last step of any of the
+    prepared optimizers was skipped for overflow, so the schedule follows real updates.
+    """
+
+    def __init__(
+        self,
+        scheduler,
+        optimizers: list["PreparedOptimizer"],
+        gradient_state: "GradientState",
+        step_with_optimizer: bool = True,
+    ) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.step_with_optimizer = step_with_optimizer
+        self._gradient_state = gradient_state
+
+    def step(self, *args, **kwargs) -> bool:
+        """Advance the schedule; returns whether it advanced."""
+        if self.step_with_optimizer:
+            if not self._gradient_state.sync_gradients:
+                return False
+            if any(opt.step_was_skipped for opt in self.optimizers):
+                return False
+        self.scheduler.step(*args, **kwargs)
+        return True
+
+    def get_last_lr(self):
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name):
+        # Only reached for attributes not defined here: the scheduler's own (last_epoch...).
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

@@ -32,7 +32,11 @@ C10_ALWAYS_INLINE void adam_vec(float* p, const G* g, float* m, float* v, L* lp,
 }
 
 template <class G, class L>
-void adam_range(const std::array<Slot, 5>& t, int64_t b, int64_t e, const AdamScalars& s) {
+void adam_range(const std::array<Slot, 5>& t, int64_t b, int64_t e,
+                const AdamScalars& s_in) {
+  // A local copy: the fp32 stores below cannot alias it, so the scalars and
+  // flags stay in registers and the flag tests are hoisted out of the loop.
+  const AdamScalars s = s_in;
   float* p = static_cast<float*>(t[0].ptr) + b;
   const G* g = static_cast<const G*>(t[1].ptr) + b;
   float* m = static_cast<float*>(t[2].ptr) + b;

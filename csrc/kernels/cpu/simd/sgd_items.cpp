@@ -25,7 +25,11 @@ C10_ALWAYS_INLINE void sgd_vec(float* p, const G* g, float* buf, L* lp, int64_t 
 }
 
 template <class G, class L>
-void sgd_range(const std::array<Slot, 4>& t, int64_t b, int64_t e, const SgdScalars& s) {
+void sgd_range(const std::array<Slot, 4>& t, int64_t b, int64_t e,
+                const SgdScalars& s_in) {
+  // A local copy: the fp32 stores below cannot alias it, so the scalars and
+  // flags stay in registers and the flag tests are hoisted out of the loop.
+  const SgdScalars s = s_in;
   float* p = static_cast<float*>(t[0].ptr) + b;
   const G* g = static_cast<const G*>(t[1].ptr) + b;
   float* buf = s.has_momentum ? static_cast<float*>(t[2].ptr) + b : nullptr;

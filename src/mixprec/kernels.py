@@ -114,10 +114,12 @@ def _group_supported(optimizer: torch.optim.Optimizer, group: dict) -> bool:
         return False
     if type(optimizer) in _ADAM_TYPES and group.get("amsgrad", False):
         return False
+    f32 = torch.float32
     for p in group["params"]:
-        if p.dtype != torch.float32 or p.is_complex() or not p.is_contiguous():
+        if p.dtype != f32 or not p.is_contiguous():  # fp32: never complex
             return False
-        if p.grad is not None and (p.grad.is_sparse or p.grad.dtype not in _KERNEL_DTYPES):
+        g = p.grad
+        if g is not None and (g.is_sparse or g.dtype not in _KERNEL_DTYPES):
             return False
     return True
 
@@ -140,10 +142,6 @@ def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
 
-def _lowp(lowp_of: Optional[Mapping[int, Tensor]], p: Tensor) -> Optional[Tensor]:
-    return None if lowp_of is None else lowp_of.get(id(p))
-
-
 def _state_ok(state: dict, keys: Sequence[str], p: Tensor) -> bool:
     for k in keys:
         t = state.get(k)
@@ -153,77 +151,117 @@ def _state_ok(state: dict, keys: Sequence[str], p: Tensor) -> bool:
     return True
 
 
+def _with_grad(optimizer, keys) -> Optional[list]:
+    """[(group, params with a grad)], or None when some state tensor does not fit."""
+    out = []
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        ps = [p for p in group["params"] if p.grad is not None]
+        for p in ps:
+            st = state.get(p)
+            if st and not _state_ok(st, keys, p):
+                return None
+        out.append((group, ps))
+    return out
+
+
+def _buckets(keys: list, lists: Sequence[list]) -> dict:
+    """[Note: buckets] one kernel call per distinct key (step value, device,
+    has-lowp): params of a group that joined later carry a smaller step. The
+    common case, one key for the whole group, builds no per-param dict."""
+    first = keys[0]
+    if all(k == first for k in keys):
+        return {first: lists}
+    out: dict = {}
+    for i, k in enumerate(keys):
+        b = out.get(k)
+        if b is None:
+            b = out[k] = tuple([] for _ in lists)
+        for dst, src in zip(b, lists):
+            if src:
+                dst.append(src[i])
+    return out
+
+
+def _lowps(lowp_of: Optional[Mapping[int, Tensor]], ps: list) -> list:
+    if lowp_of is None:
+        return [None] * len(ps)
+    get = lowp_of.get
+    return [get(id(p)) for p in ps]
+
+
 def _adam_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
-    for group in optimizer.param_groups:
-        if not all(_state_ok(optimizer.state[p], ("exp_avg", "exp_avg_sq"), p)
-                   for p in group["params"] if p.grad is not None):
-            return False
-    for group in optimizer.param_groups:
+    groups = _with_grad(optimizer, ("exp_avg", "exp_avg_sq"))
+    if groups is None:
+        return False
+    state = optimizer.state
+    for group, ps in groups:
+        if not ps:
+            continue
         decoupled = bool(group.get("decoupled_weight_decay",
                                    type(optimizer) is torch.optim.AdamW))
         beta1, beta2 = (_scalar(b) for b in group["betas"])
-        # [Note: buckets] one kernel call per (step value, device, has-lowp):
-        # params of a group that joined later carry a smaller step.
-        buckets: dict = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state[p]
-            if len(state) == 0:
+        sts = [state[p] for p in ps]
+        for p, st in zip(ps, sts):
+            if len(st) == 0:
                 # As torch.optim.Adam._init_group: step is a float32 CPU scalar.
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            lp = _lowp(lowp_of, p)
-            key = (float(state["step"].item()), p.device, lp is not None)
-            b = buckets.setdefault(key, ([], [], [], [], []))
-            b[0].append(p)
-            b[1].append(p.grad.contiguous())
-            b[2].append(state["exp_avg"])
-            b[3].append(state["exp_avg_sq"])
-            if lp is not None:
-                b[4].append(lp)
-        for (step, _, _), (ps, gs, ms, vs, lps) in buckets.items():
-            _C.fused_adam_(ps, gs, ms, vs, lps, lr=_scalar(group["lr"]), beta1=beta1,
-                           beta2=beta2, eps=float(group["eps"]),
+                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        steps = [st["step"] for st in sts]
+        if all(isinstance(t, Tensor) and t.dim() == 0 and t.device.type == "cpu"
+               for t in steps):
+            # One op for all counters (fp32 += 1 as torch), one read-back.
+            torch._foreach_add_(steps, 1)
+            values = torch.stack(steps).tolist()
+        else:
+            values = []
+            for st in sts:
+                st["step"] += 1
+                values.append(_scalar(st["step"]))
+        lps = _lowps(lowp_of, ps)
+        keys = [(float(v), p.device, lp is not None) for v, p, lp in zip(values, ps, lps)]
+        lists = (ps, [p.grad.contiguous() for p in ps], [st["exp_avg"] for st in sts],
+                 [st["exp_avg_sq"] for st in sts], lps)
+        for (step, _, has_lp), (bps, gs, ms, vs, blps) in _buckets(keys, lists).items():
+            _C.fused_adam_(bps, gs, ms, vs, blps if has_lp else [], lr=_scalar(group["lr"]),
+                           beta1=beta1, beta2=beta2, eps=float(group["eps"]),
                            weight_decay=float(group["weight_decay"]), step=step,
                            decoupled=decoupled, maximize=bool(group["maximize"]),
-                           inv_scale=_on(inv_scale, ps[0]), found_inf=None)
+                           inv_scale=_on(inv_scale, bps[0]), found_inf=None)
     return True
 
 
 def _sgd_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
-    for group in optimizer.param_groups:
-        if not all(_state_ok(optimizer.state[p], ("momentum_buffer",), p)
-                   for p in group["params"] if p.grad is not None):
-            return False
-    for group in optimizer.param_groups:
+    groups = _with_grad(optimizer, ("momentum_buffer",))
+    if groups is None:
+        return False
+    state = optimizer.state
+    for group, ps in groups:
+        if not ps:
+            continue
         momentum = float(group["momentum"])
-        buckets: dict = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = optimizer.state[p]
-            buf = state.get("momentum_buffer") if momentum != 0 else None
-            first = momentum != 0 and buf is None
-            if first:
-                buf = torch.empty_like(p, memory_format=torch.contiguous_format)
-                state["momentum_buffer"] = buf
-            lp = _lowp(lowp_of, p)
-            b = buckets.setdefault((first, p.device, lp is not None), ([], [], [], []))
-            b[0].append(p)
-            b[1].append(p.grad.contiguous())
-            if buf is not None:
-                b[2].append(buf)
-            if lp is not None:
-                b[3].append(lp)
-        for (first, _, _), (ps, gs, bufs, lps) in buckets.items():
-            _C.fused_sgd_(ps, gs, bufs, lps, lr=_scalar(group["lr"]), momentum=momentum,
-                          dampening=float(group["dampening"]), nesterov=bool(group["nesterov"]),
+        bufs: list = []
+        firsts = [False] * len(ps)
+        if momentum != 0:
+            for i, p in enumerate(ps):
+                st = state[p]
+                buf = st.get("momentum_buffer")
+                if buf is None:
+                    buf = torch.empty_like(p, memory_format=torch.contiguous_format)
+                    st["momentum_buffer"] = buf
+                    firsts[i] = True
+                bufs.append(buf)
+        lps = _lowps(lowp_of, ps)
+        keys = [(f, p.device, lp is not None) for f, p, lp in zip(firsts, ps, lps)]
+        lists = (ps, [p.grad.contiguous() for p in ps], bufs, lps)
+        for (first, _, has_lp), (bps, gs, bbufs, blps) in _buckets(keys, lists).items():
+            _C.fused_sgd_(bps, gs, bbufs, blps if has_lp else [], lr=_scalar(group["lr"]),
+                          momentum=momentum, dampening=float(group["dampening"]),
+                          nesterov=bool(group["nesterov"]),
                           weight_decay=float(group["weight_decay"]),
                           maximize=bool(group["maximize"]), first_step=first,
-                          inv_scale=_on(inv_scale, ps[0]), found_inf=None)
+                          inv_scale=_on(inv_scale, bps[0]), found_inf=None)
     return True
 
 

@@ -5,6 +5,7 @@ comes `shift` places earlier (a copy-with-delay task; attention must learn to lo
 Nothing is downloaded: data is generated on the fly.
 
     python examples/train_transformer.py --mixed-precision bf16 --steps 200
+    mixprec launch --nproc-per-node 2 examples/train_transformer.py --steps 100   # ddp
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def main() -> None:
 
     start = time.perf_counter()
     first = last = None
-    for step, (ids, target) in enumerate(batches(args.steps * args.accumulate, args.batch, seq, vocab, shift)):
+    for step, (ids, target) in enumerate(
+        batches(args.steps * args.accumulate, args.batch, seq, vocab, shift, seed=accelerator.process_index)
+    ):
         ids, target = ids.to(accelerator.device), target.to(accelerator.device)
         with accelerator.accumulate(model):
             logits = model(ids)
@@ -91,8 +94,10 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     accelerator.print(
         f"done: loss {first:.4f} -> {last:.4f} in {elapsed:.1f}s on {accelerator.device} "
-        f"({args.mixed_precision}); skipped steps: {accelerator.skipped_steps}"
+        f"({args.mixed_precision}, backend {accelerator.backend}, {accelerator.num_processes} process(es)); "
+        f"skipped steps: {accelerator.skipped_steps}"
     )
+    accelerator.end_training()
     if not last < first:
         raise SystemExit("loss did not fall")
 

@@ -169,3 +169,32 @@ def test_buckets_in_reverse_order_with_a_small_first_bucket():
     flat = [i for b in buckets for i in b]
     assert flat == list(range(11, -1, -1))
     assert all(sum(64 * 64 * 4 if i % 2 == 0 else 256 for i in b) >= 40e3 for b in buckets[1:-1])
+
+
+def _bf16_reduction(state):
+    import torch
+    import torch.distributed as dist
+
+    from _helpers import loss_fn, make_mlp, mlp_batches
+    from mixprec import Accelerator, PrecisionPolicy
+
+    x, y = mlp_batches(1, seed=dist.get_rank())[0]
+    grads, reduced = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        policy = PrecisionPolicy.from_mixed_precision("bf16", reduce_dtype=dtype)
+        acc = Accelerator(policy=policy, backend="ddp", cpu=True, log_policy=False)
+        model = acc.prepare(make_mlp())
+        acc.backward(loss_fn(model(x), y))
+        grads[dtype] = [p.grad.clone() for p in model.parameters()]
+        reduced[dtype] = acc.engine.bytes_reduced_last_backward()
+    worst = max(((a - b).abs().max() / a.abs().max()).item()
+                for a, b in zip(grads[torch.float32], grads[torch.bfloat16]))
+    dtypes = {g.dtype for g in grads[torch.bfloat16]}
+    return reduced[torch.float32], reduced[torch.bfloat16], worst, dtypes
+
+
+def test_bf16_gradient_reduction_halves_the_bytes():
+    for fp32_bytes, bf16_bytes, worst, dtypes in run_distributed(_bf16_reduction, 2):
+        assert bf16_bytes * 2 == fp32_bytes
+        assert dtypes == {__import__("torch").float32}  # reduced in bf16, handed back in fp32
+        assert worst < 2**-7  # within bf16 rounding of the largest gradient element

@@ -1,0 +1,44 @@
+"""The main example trains under `mixprec launch`: 2 processes, and 2 "nodes" on loopback."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from harness import free_port
+
+EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py")
+ARGS = ["--steps", "40", "--batch", "16", "--cpu"]
+
+
+def _assert_trained(output: str) -> None:
+    m = re.search(r"done: loss ([\d.]+) -> ([\d.]+) .*backend ddp, 2 process\(es\)", output)
+    assert m, output
+    assert float(m.group(2)) < float(m.group(1))
+
+
+def test_example_trains_with_two_processes():
+    out = subprocess.run([sys.executable, "-m", "mixprec", "launch", "--nproc-per-node", "2", EXAMPLE, *ARGS],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _assert_trained(out.stdout)
+    assert out.stdout.count("done: loss") == 1  # printed by the main process only
+
+
+def test_example_trains_on_two_nodes_over_loopback():
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), EXAMPLE, *ARGS],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    _assert_trained(outs[0][0])

@@ -12,6 +12,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from .accelerator import Accelerator
 from .errors import MixprecError, UnscaledBackwardError
+from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
 
@@ -19,12 +20,15 @@ __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
     "MixprecError",
+    "ParityReport",
+    "ParityTolerance",
     "PrecisionPolicy",
     "ScalerConfig",
     "StepResult",
     "UnscaledBackwardError",
     "__version__",
     "build_info",
+    "parity_check",
 ]
 
 

@@ -1,5 +1,6 @@
 """The ``mixprec`` command line. Subcommands: ``env`` (versions and build flags for bug reports),
-``launch`` (start a multi-process run; see :mod:`mixprec.launch`)."""
+``launch`` (start a multi-process run; see :mod:`mixprec.launch`), ``parity`` (compare
+backends with an fp32 reference; see :mod:`mixprec.parity`)."""
 
 from __future__ import annotations
 
@@ -48,11 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     from . import launch
 
     launch.add_arguments(sub.add_parser("launch", help="start N processes per node (torch.distributed.run + supervision)"))
+    from . import parity
+
+    parity.add_arguments(sub.add_parser("parity", help="compare backends step by step with an fp32 reference"))
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
     if args.command == "launch":
         return launch.run_launch(args)
+    if args.command == "parity":
+        return parity.run_cli(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -138,12 +138,15 @@ def _bench(rank: int, world: int, args) -> None:
         eng = accs[name].engine
         b = eng.bytes_communicated_last_step()
         total = b["reduce"] + b["gather"]
+        # Ring cost per rank: reduce-scatter and all-gather move (N-1)/N of their buffer,
+        # an all-reduce twice that.
+        wire = (N - 1) / N * (b["reduce"] * (2 if eng.options.collective == "allreduce" else 1) + b["gather"])
         mem = eng.persistent_bytes()
         stage = eng.stage
         measured = model_bytes + mem["master"] + mem["lowp"] + mem["optimizer_state"] + mem["grads"]
         formula = 4 * P + (4 * P if stage == 1 else 0) + 4 * P / N + 12 * P / N
         print(f"  {name:<9} bytes to collectives/step {total:,} = {total / (2 * model_bytes):.4f} x theory "
-              f"(2 x {model_bytes:,}; padding only), ring traffic/rank {(N - 1) / N * total:,.0f}; "
+              f"(2 x {model_bytes:,}; padding only), ring traffic/rank {wire:,.0f} ({eng.options.collective}); "
               f"persistent/rank {measured:,} = {measured / formula:.4f} x formula {formula:,.0f} "
               f"(optimizer part {mem['master'] + mem['optimizer_state']:,} = "
               f"{(mem['master'] + mem['optimizer_state']) / (12 * P):.4f} x 12P)")

@@ -117,8 +117,7 @@ def test_deepspeed_scaler_hysteresis():
 
 
 def _clip(backend):
-    _, _, ref = _train("ddp", "fp16", 4, clip=0.05)
-    hist_ref, _, _ = _train("ddp", "fp16", 4, clip=0.05)
+    hist_ref, _, ref = _train("ddp", "fp16", 4, clip=0.05)
     hist, _, ours = _train(backend, "fp16", 4, clip=0.05)
     return ref, ours, _worst(hist[-1], hist_ref[-1])
 

@@ -27,5 +27,6 @@ PYBIND11_MODULE(_C, m) {
   mixprec::bindings::init_precision(m);
   mixprec::bindings::init_kernels(m);
   mixprec::bindings::init_engines(m);
+  mixprec::bindings::init_sharded(m);
 
 }

@@ -1,0 +1,81 @@
+// Bindings for csrc/engines/sharded (the sharding core and the ZeRO policies).
+#include "bindings/bindings.h"
+#include "engines/sharded/core.h"
+#include "engines/sharded/zero.h"
+
+namespace py = pybind11;
+
+namespace mixprec::bindings {
+
+void init_sharded(py::module_& m) {
+  using engines::sharded::CoreOptions;
+  using engines::sharded::ShardedCore;
+
+  py::class_<CoreOptions>(m, "ShardOptions")
+      .def(py::init([](int64_t stage, int64_t bucket_cap_bytes, int64_t first_bucket_cap_bytes,
+                       const std::string& collective, const std::string& group_name) {
+             return engines::sharded::zero_options(stage, bucket_cap_bytes,
+                                                   first_bucket_cap_bytes, collective, group_name);
+           }),
+           py::kw_only(), py::arg("stage"), py::arg("bucket_cap_bytes") = 25 * 1024 * 1024,
+           py::arg("first_bucket_cap_bytes") = 1024 * 1024, py::arg("collective") = "auto",
+           py::arg("group_name"))
+      .def_readonly("reduce_in_backward", &CoreOptions::reduce_in_backward)
+      .def_readonly("free_grad_buckets", &CoreOptions::free_grad_buckets)
+      .def_property_readonly("collective", [](const CoreOptions& o) {
+        return o.collective == engines::sharded::Collective::kAllReduce ? "allreduce"
+                                                                        : "reduce_scatter";
+      });
+
+  py::class_<ShardedCore>(m, "ShardedCore")
+      .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
+                    std::vector<at::ScalarType>, const std::string&, const CoreOptions&>(),
+           py::arg("params"), py::arg("names"), py::arg("storage_dtypes"), py::arg("group_name"),
+           py::arg("options"))
+      .def("set_sync", &ShardedCore::set_sync, py::arg("sync"))
+      .def_property_readonly("sync", &ShardedCore::sync)
+      .def("reduce", &ShardedCore::reduce, py::call_guard<py::gil_scoped_release>())
+      .def("zero_grad", &ShardedCore::zero_grad)
+      .def("has_grads", &ShardedCore::has_grads)
+      .def("gather_params", &ShardedCore::gather_params, py::arg("refresh_lowp"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("full_masters", &ShardedCore::full_masters, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("master_shard", &ShardedCore::master_shard)
+      .def_property_readonly("grad_shard", &ShardedCore::grad_shard)
+      .def_property_readonly("lowp_shards", &ShardedCore::lowp_shards)
+      .def("owned_ranges", &ShardedCore::owned_ranges)
+      .def("partition_map",
+           [](const ShardedCore& c) {
+             py::dict out;
+             const auto& layout = c.layout();
+             for (size_t i = 0; i < layout.params().size(); ++i) {
+               const auto& p = layout.params()[i];
+               const auto& bucket = layout.buckets()[layout.bucket_of(i)];
+               out[py::str(p.name)] = py::make_tuple(bucket.global_offset + layout.offset_of(i),
+                                                     p.numel, py::tuple(py::cast(p.shape)));
+             }
+             return out;
+           })
+      .def("bucket_shards",
+           [](const ShardedCore& c) {
+             std::vector<std::pair<int64_t, int64_t>> out;
+             for (const auto& b : c.layout().buckets()) out.emplace_back(b.shard_offset, b.shard);
+             return out;
+           })
+      .def("bucket_indices",
+           [](const ShardedCore& c) {
+             std::vector<std::vector<int64_t>> out;
+             for (const auto& b : c.layout().buckets()) out.emplace_back(b.params.begin(), b.params.end());
+             return out;
+           })
+      .def_property_readonly("world_size", [](const ShardedCore& c) { return c.layout().world_size(); })
+      .def_property_readonly("rank", [](const ShardedCore& c) { return c.layout().rank(); })
+      .def_property_readonly("shard_numel", [](const ShardedCore& c) { return c.layout().shard_numel(); })
+      .def_property_readonly("padded_numel", [](const ShardedCore& c) { return c.layout().padded_numel(); })
+      .def_property_readonly("param_numel", [](const ShardedCore& c) { return c.layout().param_numel(); })
+      .def("bytes_reduced_last", &ShardedCore::bytes_reduced_last)
+      .def("bytes_gathered_last", &ShardedCore::bytes_gathered_last)
+      .def("grad_bucket_bytes", &ShardedCore::grad_bucket_bytes);
+}
+
+}  // namespace mixprec::bindings

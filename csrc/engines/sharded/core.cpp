@@ -1,0 +1,282 @@
+#include "engines/sharded/core.h"
+
+#include "comm/process_group.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace mixprec::engines::sharded {
+
+namespace {
+
+std::vector<LayoutParam> describe(const std::vector<at::Tensor>& params,
+                                  const std::vector<std::string>& names,
+                                  const std::vector<c10::ScalarType>& dtypes) {
+  TORCH_CHECK_VALUE(params.size() == names.size() && params.size() == dtypes.size(),
+                    "ShardedCore: got ", params.size(), " params, ", names.size(), " names and ",
+                    dtypes.size(), " storage dtypes; they must match one to one");
+  std::vector<LayoutParam> out;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    TORCH_CHECK_VALUE(p.requires_grad() && p.is_leaf() && p.is_floating_point(), "parameter '",
+                      names[i], "' must be a floating leaf tensor that requires grad to be sharded");
+    TORCH_CHECK_VALUE(at::isFloatingType(dtypes[i]), "parameter '", names[i],
+                      "': storage dtype ", dtypes[i], " is not a floating dtype");
+    out.push_back({names[i], p.sizes().vec(), p.numel(), dtypes[i], p.device()});
+  }
+  return out;
+}
+
+}  // namespace
+
+ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string> names,
+                         std::vector<c10::ScalarType> storage_dtypes,
+                         const std::string& group_name, const CoreOptions& options)
+    : layout_(describe(params, names, storage_dtypes),
+              comm::resolve(group_name)->getSize(), comm::resolve(group_name)->getRank(),
+              options.bucket_cap_bytes, options.first_bucket_cap_bytes),
+      params_(std::move(params)),
+      group_(comm::resolve(group_name)),
+      options_(options) {
+  const auto device = params_.front().device();
+  for (const auto& p : params_) {
+    TORCH_CHECK_VALUE(p.device() == device, "all sharded parameters must be on one device; got ",
+                      device, " and ", p.device());
+  }
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  master_ = at::zeros({layout_.shard_numel()}, f32);
+  grad_ = at::zeros({layout_.shard_numel()}, f32);
+  // Masters come from the values given, before any cast, so they keep every fp32 bit.
+  for (const auto& r : layout_.owned(layout_.rank())) {
+    master_.narrow(0, r.shard_offset, r.numel)
+        .copy_(params_[r.param].detach().reshape({-1}).narrow(0, r.param_offset, r.numel));
+  }
+  const auto& lb = layout_.buckets();
+  buckets_.resize(lb.size());
+  lowp_.resize(lb.size());
+  for (size_t b = 0; b < lb.size(); ++b) {
+    auto& bucket = buckets_[b];
+    bucket.params_flat = at::zeros({lb[b].padded}, f32.dtype(lb[b].storage_dtype));
+    for (size_t k = 0; k < lb[b].params.size(); ++k) {
+      auto& p = params_[lb[b].params[k]];
+      auto slot = bucket.params_flat.narrow(0, lb[b].offsets[k], p.numel());
+      slot.copy_(p.detach().reshape({-1}));
+      // The parameter becomes a view of the flat buffer, so the all-gather after each
+      // step writes the model's weights directly (no copy-out).
+      p.set_data(slot.view(p.sizes()));
+    }
+    if (lb[b].storage_dtype != at::kFloat) {
+      lowp_[b] = at::empty({lb[b].shard}, f32.dtype(lb[b].storage_dtype));
+      lowp_[b].copy_(master_.narrow(0, lb[b].shard_offset, lb[b].shard));
+    }
+    bucket.pending = lb[b].params.size();
+  }
+  ready_.assign(params_.size(), false);
+  // Hooks after set_data: an accumulator made for the old dtype would be stale.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, "no gradient accumulator for parameter '", layout_.params()[i].name, "'");
+    auto key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs,
+                  const torch::autograd::variable_list& /*inputs*/) {
+          on_grad_ready(i);
+          return outputs;
+        }));
+    hooks_.emplace_back(std::move(acc), key);
+  }
+}
+
+ShardedCore::~ShardedCore() {
+  for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
+}
+
+void ShardedCore::set_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_ = sync;
+}
+
+at::Tensor& ShardedCore::grads_of(Bucket& bucket, size_t b) {
+  if (!bucket.grads.defined()) {
+    bucket.grads = at::zeros({layout_.buckets()[b].padded}, master_.options());
+  }
+  return bucket.grads;
+}
+
+void ShardedCore::on_grad_ready(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto& g = params_[index].mutable_grad();
+  if (!g.defined()) return;
+  const size_t b = layout_.bucket_of(index);
+  auto& bucket = buckets_[b];
+  // [Note: gradient reduction]: 1/N fused into the fp32 accumulation into the bucket.
+  const double inv = 1.0 / static_cast<double>(layout_.world_size());
+  grads_of(bucket, b)
+      .narrow(0, layout_.offset_of(index), g.numel())
+      .add_(g.reshape({-1}), inv);
+  g = at::Tensor();  // the full gradient is not kept: the bucket (then the shard) holds it
+  bucket.dirty = true;
+  if (!sync_ || !options_.reduce_in_backward) return;
+  TORCH_CHECK(!ready_[index], "parameter '", layout_.params()[index].name,
+              "' received its gradient twice in one backward; the sharded engine reduces each "
+              "parameter once per backward (reentrant/double backward through the same parameter "
+              "is not supported; use no_sync() for the earlier passes)");
+  if (!callback_queued_) {
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+    callback_queued_ = true;
+  }
+  ready_[index] = true;
+  if (--bucket.pending == 0) launch_ready_locked();
+}
+
+void ShardedCore::launch_ready_locked() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    launch_locked(next_launch_);
+    ++next_launch_;
+  }
+}
+
+void ShardedCore::launch_locked(size_t b) {
+  auto& bucket = buckets_[b];
+  const auto& info = layout_.buckets()[b];
+  auto& grads = grads_of(bucket, b);
+  if (options_.collective == Collective::kReduceScatter) {
+    bucket.reduced = at::empty({info.shard}, grads.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;  // never AVG: ARCHITECTURE.md decision 2
+    bucket.work = group_->reduce_scatter_single(bucket.reduced, grads, opts);
+  } else {
+    std::vector<at::Tensor> tensors{grads};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    bucket.work = group_->allreduce(tensors, opts);
+  }
+  bytes_reduced_running_ += static_cast<int64_t>(grads.nbytes());
+}
+
+void ShardedCore::complete_locked(size_t b) {
+  auto& bucket = buckets_[b];
+  const auto& info = layout_.buckets()[b];
+  bucket.work->wait();
+  bucket.work.reset();
+  auto owned = options_.collective == Collective::kReduceScatter
+                   ? bucket.reduced
+                   : bucket.grads.narrow(0, layout_.rank() * info.shard, info.shard);
+  grad_.narrow(0, info.shard_offset, info.shard).add_(owned);
+  bucket.reduced = at::Tensor();
+  if (options_.free_grad_buckets) {
+    bucket.grads = at::Tensor();
+  } else {
+    bucket.grads.zero_();
+  }
+  bucket.dirty = false;
+  has_grads_ = true;
+}
+
+void ShardedCore::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Parameters that got no gradient on this rank count as zero (the bucket slot stays 0);
+  // every rank still launches every bucket, in order.
+  for (auto& bucket : buckets_) bucket.pending = 0;
+  launch_ready_locked();
+  for (size_t b = 0; b < buckets_.size(); ++b) complete_locked(b);
+  bytes_reduced_last_ = bytes_reduced_running_;
+  bytes_reduced_running_ = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    buckets_[b].pending = layout_.buckets()[b].params.size();
+  }
+  std::fill(ready_.begin(), ready_.end(), false);
+  next_launch_ = 0;
+  callback_queued_ = false;
+}
+
+void ShardedCore::reduce() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reduce_locked();
+}
+
+void ShardedCore::reduce_locked() {
+  bool any = false;
+  for (const auto& bucket : buckets_) any = any || bucket.dirty;
+  // Every rank runs the same backward calls, so `any` agrees across ranks; all buckets go
+  // (a bucket clean on one rank may be dirty on another).
+  if (!any) return;
+  for (size_t b = 0; b < buckets_.size(); ++b) launch_locked(b);
+  for (size_t b = 0; b < buckets_.size(); ++b) complete_locked(b);
+  bytes_reduced_last_ = bytes_reduced_running_;
+  bytes_reduced_running_ = 0;
+}
+
+void ShardedCore::zero_grad() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  grad_.zero_();
+  for (auto& bucket : buckets_) {
+    if (bucket.grads.defined()) {
+      if (options_.free_grad_buckets) {
+        bucket.grads = at::Tensor();
+      } else {
+        bucket.grads.zero_();
+      }
+    }
+    bucket.dirty = false;
+  }
+  has_grads_ = false;
+}
+
+void ShardedCore::gather_params(bool refresh_lowp) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto& lb = layout_.buckets();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  int64_t bytes = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    auto input = master_.narrow(0, lb[b].shard_offset, lb[b].shard);
+    if (lowp_[b].defined()) {
+      if (refresh_lowp) lowp_[b].copy_(input);
+      input = lowp_[b];
+    }
+    works.push_back(group_->all_gather_single(buckets_[b].params_flat, input));
+    bytes += static_cast<int64_t>(buckets_[b].params_flat.nbytes());
+  }
+  for (auto& w : works) w->wait();
+  bytes_gathered_last_ = bytes;
+}
+
+std::vector<at::Tensor> ShardedCore::full_masters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto& lb = layout_.buckets();
+  std::vector<at::Tensor> out(params_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    auto full = at::empty({lb[b].padded}, master_.options());
+    auto input = master_.narrow(0, lb[b].shard_offset, lb[b].shard);
+    group_->all_gather_single(full, input)->wait();
+    for (size_t k = 0; k < lb[b].params.size(); ++k) {
+      const auto i = lb[b].params[k];
+      out[i] = full.narrow(0, lb[b].offsets[k], params_[i].numel()).view(params_[i].sizes()).clone();
+    }
+  }
+  return out;
+}
+
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> ShardedCore::owned_ranges()
+    const {
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> out;
+  for (const auto& r : layout_.owned(layout_.rank())) {
+    out.emplace_back(static_cast<int64_t>(r.param),
+                     static_cast<int64_t>(layout_.bucket_of(r.param)), r.shard_offset,
+                     r.param_offset, r.numel);
+  }
+  return out;
+}
+
+int64_t ShardedCore::grad_bucket_bytes() const {
+  int64_t total = 0;
+  for (const auto& bucket : buckets_) {
+    if (bucket.grads.defined()) total += static_cast<int64_t>(bucket.grads.nbytes());
+  }
+  return total;
+}
+
+}  // namespace mixprec::engines::sharded

@@ -1,0 +1,34 @@
+#include "engines/sharded/zero.h"
+
+#include "comm/process_group.h"
+
+#include <c10/util/Exception.h>
+
+namespace mixprec::engines::sharded {
+
+CoreOptions zero_options(int64_t stage, int64_t bucket_cap_bytes, int64_t first_bucket_cap_bytes,
+                         const std::string& collective, const std::string& group_name) {
+  TORCH_CHECK_VALUE(stage == 1 || stage == 2, "ZeRO stage=", stage,
+                    " is not built on the sharding core; use stage 1 or 2");
+  CoreOptions o;
+  o.bucket_cap_bytes = bucket_cap_bytes;
+  o.first_bucket_cap_bytes = first_bucket_cap_bytes;
+  o.reduce_in_backward = stage >= 2;
+  o.free_grad_buckets = stage >= 2;
+  if (collective == "reduce_scatter") {
+    o.collective = Collective::kReduceScatter;
+  } else if (collective == "allreduce") {
+    o.collective = Collective::kAllReduce;
+  } else if (collective == "auto") {
+    // [Note: which collective] in core.h: Gloo's reduce-scatter measured slower than its
+    // all-reduce of the same bucket (docs/zero.md), and both give the same owned slice.
+    const bool gloo = comm::resolve(group_name)->getBackendName() == "gloo";
+    o.collective = gloo ? Collective::kAllReduce : Collective::kReduceScatter;
+  } else {
+    TORCH_CHECK_VALUE(false, "collective='", collective,
+                      "' is not one of 'auto', 'reduce_scatter', 'allreduce'");
+  }
+  return o;
+}
+
+}  // namespace mixprec::engines::sharded

@@ -1,0 +1,391 @@
+"""``backend="zero1"`` / ``"zero2"``: ZeRO data parallelism over the C++ sharding core.
+
+Each rank keeps an fp32 master shard (its slice of every bucket, see
+csrc/engines/sharded/layout.h) and the optimizer state for that shard only. Gradients
+are reduce-scattered into an fp32 gradient shard (stage 1: at the step; stage 2: during
+backward), the optimizer steps the shard, and the updated parameters are all-gathered
+in their storage dtype into the model, whose parameters are views of flat buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _C, kernels
+from ..policy import PrecisionPolicy, ScalerConfig
+from ..step import StepResult
+from ..wrappers.model import AutocastGate, ForwardContext, swap_class
+from .base import Engine, OptimizerState, _dominant_dtype
+from .sharded import Segment, build_segments, check_optimizer
+
+# DeepSpeed's dynamic loss scaler (runtime/fp16/loss_scaler.py defaults).
+DEEPSPEED_SCALER = ScalerConfig(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)
+
+
+class ZeroEngine(Engine):
+    """ZeRO stage ``stage`` (1 or 2); see the module docstring."""
+
+    name = "zero"
+    stage = 0
+
+    def __init__(
+        self,
+        policy: PrecisionPolicy,
+        device: torch.device,
+        *,
+        fused_optimizer: bool = True,
+        group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        collective: str = "auto",
+        loss_scaler: str = "torch",
+        elementwise_optimizer: bool = False,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        backend = f"zero{self.stage}"
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"backend={backend!r} needs an initialised torch.distributed process group: start "
+                "the script with `mixprec launch --nproc-per-node N script.py`"
+            )
+        if policy.master_dtype is None:
+            raise ValueError(
+                f"backend={backend!r} keeps fp32 master shards; mixed_precision={policy.name!r} "
+                "has no masters. Use mixed_precision='bf16' (optionally param_dtype=torch.bfloat16)"
+            )
+        if loss_scaler not in ("torch", "deepspeed"):
+            raise ValueError(f"loss_scaler={loss_scaler!r} must be 'torch' or 'deepspeed'")
+        if loss_scaler == "deepspeed" and policy.loss_scaling:
+            policy = dataclasses.replace(policy, scaler=DEEPSPEED_SCALER)
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0 (MiB)")
+        super().__init__(policy, device, fused_optimizer=fused_optimizer)
+        self.backend = backend
+        self.group = group if group is not None else dist.group.WORLD  # communication group
+        self.group_name = self.group.group_name  # how C++ resolves it
+        self.world_size = dist.get_world_size(self.group)
+        self.options = _C.ShardOptions(
+            stage=self.stage, bucket_cap_bytes=int(bucket_cap_mb * 2**20),
+            first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20), collective=collective,
+            group_name=self.group_name,
+        )
+        self.elementwise_optimizer = elementwise_optimizer  # accept unknown optimizers
+        self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward
+        self.cores: dict[int, _C.ShardedCore] = {}  # id(model) -> its sharding core
+        self.core_params: dict[int, list[torch.Tensor]] = {}  # id(model) -> sharded params
+        self.core_of_param: dict[int, _C.ShardedCore] = {}  # id(param) -> core
+        self.segments: dict[int, list[Segment]] = {}  # id(optimizer) -> its segments
+        self.cores_of_opt: dict[int, list[_C.ShardedCore]] = {}  # id(optimizer) -> cores
+        self.segment_lowp: dict[int, torch.Tensor] = {}  # id(master segment) -> lowp view
+        self._found_inf_agreed = False  # found_inf already all-reduced this step
+
+    # ------------------------------------------------------------------ models
+    def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
+        model.to(self.device)
+        # Every rank starts from rank 0's weights and buffers, before any cast (exact masters).
+        state = [t.detach() for t in model.parameters()] + list(model.buffers())
+        with torch.no_grad():
+            _C.broadcast_coalesced(state, self.group_name, 0)
+        fp32_modules = self._fp32_modules(model)
+        fp32_ids = {id(p) for m in fp32_modules for p in m.parameters()}
+        with torch.no_grad():
+            for m in fp32_modules:
+                for p in m.parameters():
+                    if p.is_floating_point() and p.dtype != torch.float32:
+                        p.data = p.data.float()
+        target = self.policy.param_dtype
+        names, params, dtypes = [], [], []
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.is_floating_point():
+                names.append(name)
+                params.append(p)
+                keep = id(p) in fp32_ids or target is None
+                dtypes.append(p.dtype if keep else target)
+        if not params:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters to train with {self.backend}")
+        input_dtype = target if target is not None else _dominant_dtype(model)
+        core = _C.ShardedCore(params, names, dtypes, self.group_name, self.options)
+        self.cores[id(model)] = core
+        self.core_params[id(model)] = params
+        for p in params:
+            self.core_of_param[id(p)] = core
+        ctx = ForwardContext(self.policy, self.device.type, input_dtype, gate,
+                             on_zero_grad=self.zero_model_grads)
+        swap_class(model, ctx)
+        for m in fp32_modules:
+            swap_class(m, ForwardContext(self.policy, self.device.type, None, gate, fp32_region=True))
+        if self.broadcast_buffers and any(True for _ in model.buffers()):
+            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(model)
+        return model
+
+    def _sync_buffers(self, model: nn.Module) -> None:
+        buffers = list(model.buffers())
+        if buffers and torch.is_grad_enabled():
+            with torch.no_grad():
+                _C.broadcast_coalesced(buffers, self.group_name, 0)
+
+    def _core(self, model: nn.Module) -> _C.ShardedCore:
+        core = self.cores.get(id(model))
+        if core is None:
+            raise ValueError(f"got a model that this accelerator did not prepare: {type(model).__name__}")
+        return core
+
+    def zero_model_grads(self, model: nn.Module) -> None:
+        self._core(model).zero_grad()
+
+    def full_state_dict(self, model: nn.Module) -> dict:
+        """``model.state_dict()`` with fp32 parameters gathered from the master shards.
+        A collective: call it on every rank."""
+        state = model.state_dict()
+        full = self._core(model).full_masters()
+        by_id = {id(p): t for p, t in zip(self.core_params[id(model)], full)}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in by_id and name in state:
+                state[name] = by_id[id(p)]
+        return state
+
+    # --------------------------------------------------------------- optimizers
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerState:
+        """Swap every param group to this rank's fp32 shard segments (hyper-parameters kept)."""
+        check_optimizer(optimizer, self.backend, self.elementwise_optimizer)
+        if len(optimizer.state):
+            raise ValueError(
+                f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} "
+                f"parameter(s); {self.backend} shards fresh state only. Call prepare() before the "
+                "first optimizer step"
+            )
+        group_of: dict[int, int] = {}
+        cores: dict[int, _C.ShardedCore] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                core = self.core_of_param.get(id(p))
+                if core is None:
+                    raise ValueError(
+                        f"an optimizer parameter of shape {tuple(p.shape)} belongs to no model "
+                        f"prepared with {self.backend} (or is frozen); prepare the model first, in "
+                        "the same prepare() call, and give the optimizer only trainable parameters"
+                    )
+                group_of[id(p)] = g
+                cores[id(core)] = core
+        segments: list[Segment] = []
+        new_params: dict[int, list[torch.Tensor]] = {g: [] for g in range(len(optimizer.param_groups))}
+        for model_id, core in self.cores.items():
+            if id(core) not in cores:
+                continue
+            params = self.core_params[model_id]
+            missing = [p for p in params if id(p) not in group_of]
+            if missing:
+                raise ValueError(
+                    f"the optimizer holds only some of the model's trainable parameters ({len(missing)} "
+                    f"missing, e.g. shape {tuple(missing[0].shape)}); {self.backend} shards a model "
+                    "for one optimizer. Give it all trainable parameters (per-group settings are kept)"
+                )
+            for g, segs in build_segments(core, group_of, params).items():
+                segments.extend(segs)
+                new_params[g].extend(s.master for s in segs)
+        for g, group in enumerate(optimizer.param_groups):
+            group["params"] = new_params[g]
+        for s in segments:
+            if s.lowp is not None:
+                self.segment_lowp[id(s.master)] = s.lowp
+        self.segments[id(optimizer)] = segments
+        self.cores_of_opt[id(optimizer)] = list(cores.values())
+        state = OptimizerState(optimizer)
+        self.optimizers[id(optimizer)] = state
+        return state
+
+    # ------------------------------------------------------------------ steps
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        # No fold: the C++ hooks already moved the gradients into buckets or shards.
+        self.scale_loss(loss).backward(**kwargs)
+
+    def fold_grads(self) -> None:
+        """Finish any pending reduction and show the optimizers their gradient shards."""
+        for core in self.cores.values():
+            core.reduce()
+        for opt_id, segments in self.segments.items():
+            cores = self.cores_of_opt[opt_id]
+            have = any(c.has_grads() for c in cores)
+            for s in segments:
+                if have and s.master.grad is None:
+                    s.master.grad = s.grad
+                elif not have:
+                    s.master.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        core = self._core(model)
+        previous = core.sync
+        core.set_sync(False)
+        try:
+            yield
+        finally:
+            core.set_sync(previous)
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self, *models: nn.Module):
+        """Several backward calls inside, one reduction (in bucket order) on exit."""
+        cores = [self._core(m) for m in models] if models else list(self.cores.values())
+        previous = [c.sync for c in cores]
+        for c in cores:
+            c.set_sync(False)
+        try:
+            yield
+        finally:
+            for c, prev in zip(cores, previous):
+                c.set_sync(prev)
+        for c in cores:
+            c.reduce()
+
+    def _agree_found_inf(self) -> None:
+        # [Note: found_inf agreement]
+        # Each rank checked only the gradient shard it owns, so an overflow is seen by one
+        # rank only. The flag is all-reduced (MAX) before anyone reads it: every rank then
+        # skips, or steps, together, and the scaler states stay identical.
+        if self.scaler is None or self._found_inf_agreed:
+            return
+        dist.all_reduce(self.scaler.found_inf, op=dist.ReduceOp.MAX, group=self.group)
+        self._found_inf_agreed = True
+
+    def unscale_(self, state: OptimizerState) -> None:
+        super().unscale_(state)
+        self._agree_found_inf()
+
+    def _all_segment_grads(self) -> list[torch.Tensor]:
+        return [s.master.grad for segs in self.segments.values() for s in segs if s.master.grad is not None]
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """Global norm from the owned shards with ONE all-reduce (norm and found_inf travel
+        together); every rank gets the same value and clips its shard by it."""
+        given = {id(p) for p in parameters if p.requires_grad}
+        sharded = {pid for pid in self.core_of_param}
+        if given != sharded:
+            raise ValueError(
+                f"{self.backend} computes the gradient norm over every sharded parameter; got "
+                f"{len(given)} trainable parameter(s) but {len(sharded)} are sharded. Pass "
+                "model.parameters() of all prepared models"
+            )
+        self.fold_grads()
+        for state in self.optimizers.values():
+            Engine.unscale_(self, state)  # local check; agreement rides on the norm's all-reduce
+        grads = self._all_segment_grads()
+        p = float(norm_type)
+        if p == math.inf:
+            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+            op = dist.ReduceOp.MAX
+        elif p == 2.0:
+            local = kernels.l2_norm(grads).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
+            op = dist.ReduceOp.SUM
+        else:
+            local = sum((g.double().abs() ** p).sum() for g in grads) if grads else torch.zeros((), dtype=torch.float64)
+            op = dist.ReduceOp.SUM
+        flag = self.scaler.found_inf.double().reshape(()) if self.scaler is not None else torch.zeros((), dtype=torch.float64)
+        packet = torch.stack([local.to(self.device).reshape(()), flag.to(self.device)])
+        dist.all_reduce(packet, op=op, group=self.group)
+        if self.scaler is not None:
+            self.scaler.found_inf.fill_(1.0 if packet[1].item() > 0 else 0.0)
+            self._found_inf_agreed = True
+        total = (packet[0] if p == math.inf else packet[0] ** (1.0 / p)).float()
+        clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        for state in self.optimizers.values():
+            state.grad_norm = total
+        return total
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        # Element-wise: clamping the owned shard is clamping the whole gradient.
+        self.fold_grads()
+        for state in self.optimizers.values():
+            self.unscale_(state)
+        for g in self._all_segment_grads():
+            g.clamp_(min=-clip_value, max=clip_value)
+
+    def step(self, state: OptimizerState, closure=None) -> StepResult:
+        if closure is not None:
+            raise NotImplementedError(
+                f"optimizer.step(closure) on {self.backend}: the closure's backward would not be "
+                "reduced before the update; run backward in your loop and call step() without it"
+            )
+        try:
+            return super().step(state, closure)
+        finally:
+            self._found_inf_agreed = False
+
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure) -> None:
+        refresh = True
+        if self._fused_eligible(optimizer) and kernels.fused_optimizer_step(optimizer, lowp_of=self.segment_lowp):
+            optimizer._opt_called = True  # the LRScheduler order check watches this flag
+            refresh = False  # the fused kernel already wrote the low-precision shards
+        else:
+            optimizer.step()
+        for core in self.cores_of_opt[id(optimizer)]:
+            core.gather_params(refresh)
+
+    def write_back(self, optimizer: torch.optim.Optimizer) -> None:
+        for core in self.cores_of_opt[id(optimizer)]:
+            core.gather_params(True)
+
+    def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
+        state.optimizer.zero_grad(set_to_none=set_to_none)
+        for core in self.cores_of_opt[id(state.optimizer)]:
+            core.zero_grad()
+
+    # ------------------------------------------------------------ reporting
+    def bytes_communicated_last_step(self) -> dict:
+        """Bytes handed to collectives by the last reduction and the last parameter gather."""
+        reduced = sum(c.bytes_reduced_last() for c in self.cores.values())
+        gathered = sum(c.bytes_gathered_last() for c in self.cores.values())
+        return {"reduce": reduced, "gather": gathered}
+
+    def persistent_bytes(self) -> dict:
+        """Per-rank bytes that live across steps: master shard, low-precision shards,
+        optimizer state of the shards, and (stage 1) the full fp32 gradient buckets."""
+        masters = sum(c.master_shard.nbytes for c in self.cores.values())
+        lowp = sum(t.nbytes for c in self.cores.values() for t in c.lowp_shards if t is not None)
+        opt_state = 0
+        for state in self.optimizers.values():
+            for per_param in state.optimizer.state.values():
+                opt_state += sum(v.nbytes for v in per_param.values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0)
+        grads = sum(c.grad_shard.nbytes + c.grad_bucket_bytes() for c in self.cores.values())
+        return {"master": masters, "lowp": lowp, "optimizer_state": opt_state, "grads": grads}
+
+
+class Zero1Engine(ZeroEngine):
+    """ZeRO-1: optimizer state and fp32 masters sharded; full gradients until the step."""
+
+    name = "zero1"
+    stage = 1
+
+
+class Zero2Engine(ZeroEngine):
+    """ZeRO-2: + gradients reduce-scattered during backward into the owned shard."""
+
+    name = "zero2"
+    stage = 2
+
+
+class Zero3Engine(Engine):
+    """ZeRO-3 is not built yet; selecting it says what is missing."""
+
+    name = "zero3"
+
+    def __init__(self, policy: PrecisionPolicy, device: torch.device, **_options) -> None:
+        raise NotImplementedError(
+            "zero3: parameter sharding is not implemented yet. Missing: per-unit parameter "
+            "all-gather before forward and backward (module hooks forwarding to the C++ core), "
+            "freeing gathered units after use, prefetch of the next unit, and full-shape "
+            "parameters for model.parameters() outside forward. Use backend='zero2' (gradients, "
+            "optimizer state and masters sharded) meanwhile"
+        )

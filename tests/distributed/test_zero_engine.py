@@ -7,7 +7,7 @@ from harness import run_distributed
 STAGES = ["zero1", "zero2"]
 
 
-def _train(backend, mixed_precision, steps, clip=None, fused=False, inject_inf_at=None, **opts):
+def _train(backend, mixed_precision, steps, clip=None, fused=False, inject_inf_at=None, sgd=False, **opts):
     """10 steps of the small transformer; per-step params (full) and step results."""
     import torch
     import torch.distributed as dist
@@ -19,7 +19,11 @@ def _train(backend, mixed_precision, steps, clip=None, fused=False, inject_inf_a
     acc = Accelerator(mixed_precision=mixed_precision, backend=backend, cpu=True, log_policy=False,
                       fused_optimizer=fused, engine_options=opts or None)
     model = make_transformer(seed=rank)  # prepare() broadcasts rank 0's weights
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01))
+    if sgd:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    model, opt = acc.prepare(model, optimizer)
     hook = None
     history, results, norms = [], [], []
     for step, (x, y) in enumerate(transformer_batches(steps, seed=100 + rank)):
@@ -45,7 +49,7 @@ def _worst(a, b):
     return max(((x - y).abs() / (y.abs() + 1e-12)).max().item() for x, y in zip(a, b))
 
 
-def _parity(backend, mixed_precision, fused):
+def _parity(state, backend, mixed_precision, fused):
     ref, _, _ = _train("ddp", mixed_precision, 10, fused=fused)
     ours, results, _ = _train(backend, mixed_precision, 10, fused=fused)
     assert all(stepped for stepped, _ in results), results
@@ -65,7 +69,7 @@ def test_matches_ddp_engine_every_step(backend, mixed_precision):
         assert worst <= TOL[mixed_precision], worst
 
 
-def _overflow(backend, loss_scaler):
+def _overflow(state, backend, loss_scaler):
     import torch.distributed as dist
 
     from mixprec import Accelerator  # noqa: F401  (imported in the child)
@@ -86,7 +90,7 @@ def test_inf_on_one_rank_skips_on_every_rank(backend):
         assert unchanged and moved
 
 
-def _scaler_after_overflow(backend, loss_scaler):
+def _scaler_after_overflow(state, backend, loss_scaler):
     from mixprec import Accelerator  # noqa: F401
 
     import torch
@@ -116,9 +120,13 @@ def test_deepspeed_scaler_hysteresis():
     assert [v for _, v in deepspeed] == [65536.0, 32768.0, 32768.0]
 
 
-def _clip(backend):
-    hist_ref, _, ref = _train("ddp", "fp16", 4, clip=0.05)
-    hist, _, ours = _train(backend, "fp16", 4, clip=0.05)
+def _clip(state, backend):
+    # SGD: the global norm is summed in another order than DDP's (owned shards, then one
+    # all-reduce), so the clip coefficient may differ in its last bit. Adam would turn that
+    # bit into an O(lr) step on the attention key bias, whose true gradient is zero (see
+    # [Note: the attention key bias] in tests/test_parity_single.py); SGD keeps it a bit.
+    hist_ref, _, ref = _train("ddp", "fp16", 4, clip=0.05, sgd=True)
+    hist, _, ours = _train(backend, "fp16", 4, clip=0.05, sgd=True)
     return ref, ours, _worst(hist[-1], hist_ref[-1])
 
 
@@ -133,7 +141,7 @@ def test_clip_grad_norm_same_on_all_ranks_and_equal_to_ddp(backend):
     assert worst0 <= 1e-5, worst0  # clipped updates match DDP's
 
 
-def _accumulation(backend):
+def _accumulation(state, backend):
     import torch
     import torch.distributed as dist
 
@@ -173,7 +181,7 @@ def test_accumulate_and_coalesce_equal_larger_batch(backend):
         assert max(worst) <= 1e-6, worst
 
 
-def _refused(optimizer_name):
+def _refused(state, optimizer_name):
     import torch
 
     from _helpers import make_mlp
@@ -195,7 +203,7 @@ def test_lbfgs_is_refused_with_the_fix():
     assert run_distributed(_refused, 2, args=("RMSprop",))[0] is None  # element-wise: accepted
 
 
-def _memory(backend):
+def _memory(state, backend):
     import torch
 
     from _helpers import loss_fn, make_transformer, transformer_batches
@@ -228,7 +236,7 @@ def test_persistent_memory_is_a_1_over_n_share():
 
 
 
-def _bf16_params(backend):
+def _bf16_params(state, backend):
     import torch
     import torch.distributed as dist
 
@@ -261,7 +269,7 @@ def test_bf16_storage_gathers_rounded_fp32_masters(backend):
         assert worst <= 1e-6 and rounded and fp32, (worst, rounded, fp32)
 
 
-def _zero3(_):
+def _zero3(state):
     from mixprec import Accelerator
 
     try:
@@ -272,11 +280,11 @@ def _zero3(_):
 
 
 def test_zero3_says_what_is_missing():
-    message = run_distributed(_zero3, 2, args=(None,))[0]
+    message = run_distributed(_zero3, 2)[0]
     assert message.startswith("zero3:") and "prefetch" in message
 
 
-def _layout(_):
+def _layout(state):
     import torch
     from torch import nn
 
@@ -291,7 +299,7 @@ def _layout(_):
 
 
 def test_layout_reverse_order_even_split():
-    maps = run_distributed(_layout, 4, args=(None,))
+    maps = run_distributed(_layout, 4)
     pmap, buckets, shards, world = maps[0]
     assert all(m[0] == pmap for m in maps)
     assert [i for b in buckets for i in b] == list(range(9, -1, -1))  # [Note: bucket order]

@@ -7,7 +7,13 @@ from .ddp import DDPEngine
 from .single import SingleEngine
 from .zero import Zero1Engine, Zero2Engine, Zero3Engine
 
-ENGINES: dict[str, type[Engine]] = {"single": SingleEngine, "ddp": DDPEngine, "zero1": Zero1Engine, "zero2": Zero2Engine, "zero3": Zero3Engine}
+ENGINES: dict[str, type[Engine]] = {
+    "single": SingleEngine,
+    "ddp": DDPEngine,
+    "zero1": Zero1Engine,
+    "zero2": Zero2Engine,
+    "zero3": Zero3Engine,
+}
 BACKEND_NAMES = ("auto", *ENGINES)
 
 

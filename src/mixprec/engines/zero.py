@@ -34,6 +34,7 @@ class ZeroEngine(Engine):
 
     name = "zero"
     stage = 0
+    distributed = True
 
     def __init__(
         self,
@@ -380,6 +381,7 @@ class Zero3Engine(Engine):
     """ZeRO-3 is not built yet; selecting it says what is missing."""
 
     name = "zero3"
+    distributed = True
 
     def __init__(self, policy: PrecisionPolicy, device: torch.device, **_options) -> None:
         raise NotImplementedError(

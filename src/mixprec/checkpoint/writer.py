@@ -31,7 +31,7 @@ from ..distributed import collectives
 from ..distributed.state import DistributedState
 from . import format as fmt
 
-# Test hook: the rank given here SIGKILLs itself after writing half of its tensor file.
+# Test hook: the rank given here SIGKILLs itself half-way through writing its tensor file.
 KILL_ENV = "MIXPREC_CHECKPOINT_TEST_KILL_RANK"
 
 
@@ -93,6 +93,8 @@ def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects:
     name = fmt.tensor_file(state.rank)
     with open(tmp / name, "wb") as f:
         files[name] = write_safetensors_synced(f, entries, produce)
+    if kill:  # a rank holding no tensors of its own dies after its (empty) tensor file
+        os.kill(os.getpid(), signal.SIGKILL)
     files[fmt.rank_file(state.rank)] = _write_blob(tmp / fmt.rank_file(state.rank), rank_state)
     if objects is not None:
         files[fmt.OBJECTS] = _write_blob(tmp / fmt.OBJECTS, objects)

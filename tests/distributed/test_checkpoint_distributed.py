@@ -20,10 +20,6 @@ from ckpt_training import setup, train  # noqa: E402
 WORLD = {"single": 1, "ddp": 2}  # backend -> world size it runs at in these tests
 
 
-def _train_rank(state, *args, **kw):
-    return train(*args, **kw)
-
-
 def _run(backend, *args, **kw):
     """``train`` on ``backend``: in this process for single, else on spawned ranks.
     Returns one (losses, state, scale) per rank."""

@@ -11,6 +11,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from .accelerator import Accelerator
+from .checkpoint.rotation import ProjectConfiguration
 from .errors import MixprecError, UnscaledBackwardError
 from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
@@ -23,6 +24,7 @@ __all__ = [
     "ParityReport",
     "ParityTolerance",
     "PrecisionPolicy",
+    "ProjectConfiguration",
     "ScalerConfig",
     "StepResult",
     "UnscaledBackwardError",

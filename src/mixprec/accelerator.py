@@ -14,10 +14,13 @@ from torch import nn
 from .data.sharding import shard_dataloader
 from .distributed import collectives
 from .distributed.state import DistributedState, destroy_distributed, init_distributed
+from .checkpoint.rotation import ProjectConfiguration, resolve_project_configuration
+from .checkpoint.sync import CallCheck
 from .engines import resolve_backend
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
+from .checkpoint.dataloader import ResumableDataLoader
 from .wrappers.dataloader import PreparedDataLoader
 from .wrappers.model import AutocastGate, is_prepared, restore_class
 from .wrappers.optimizer import PreparedOptimizer
@@ -66,6 +69,9 @@ class Accelerator:
             completed from the start of the dataset; ``gather_for_metrics`` drops them).
         data_seed: seed of the shuffling shared by all processes (None: drawn on rank 0).
         timeout: collective timeout of the process group this Accelerator initialises.
+        project_dir: folder of the run (shortcut for ``project_config.project_dir``).
+        project_config: :class:`mixprec.checkpoint.ProjectConfiguration`: checkpoint
+            naming, rotation (``total_limit``) and the collective-call timeout.
     """
 
     def __init__(
@@ -88,6 +94,8 @@ class Accelerator:
         even_batches: bool = True,
         data_seed: Optional[int] = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        project_dir: Optional[str] = None,
+        project_config: Optional[ProjectConfiguration] = None,
     ) -> None:
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(
@@ -117,6 +125,9 @@ class Accelerator:
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
+        self.project_configuration = resolve_project_configuration(project_dir, project_config)
+        self._checkpoint_objects: list[Any] = []  # registered with register_for_checkpointing
+        self._call_check = CallCheck(self.project_configuration.collective_timeout_s)
 
     # ------------------------------------------------------------------ info
     @property
@@ -225,7 +236,8 @@ class Accelerator:
                 dataloader, self.state, split_batches=self.split_batches,
                 even_batches=self.even_batches, seed=self.data_seed,
             )
-        prepared = PreparedDataLoader(dataloader, self.device, self.gradient_state)
+        # Resumable: save_state records the position in the pass, load_state skips ahead.
+        prepared = ResumableDataLoader(dataloader, self.device, self.gradient_state)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -370,6 +382,107 @@ class Accelerator:
     def end_training(self) -> None:
         """Tear down the process group this Accelerator initialised."""
         destroy_distributed(self.state)
+
+    # ------------------------------------------------------------ checkpoints
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and restore these objects (anything with ``state_dict``/``load_state_dict``,
+        e.g. an EMA or a custom counter) with every ``save_state``/``load_state``, in order."""
+        bad = [o for o in objects if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+        if bad:
+            raise TypeError(
+                f"register_for_checkpointing() got {[type(o).__name__ for o in bad]} without "
+                "state_dict()/load_state_dict(); give objects that have both (wrap others in a small class)"
+            )
+        self._checkpoint_objects.extend(objects)
+
+    def save_state(self, output_dir: Optional[str] = None) -> str:
+        """Save models, optimizers, scaler, schedulers, RNG, dataloader positions and registered
+        objects to ``output_dir`` (or the next ``checkpoint_<k>`` with automatic naming).
+
+        Collective: every process calls it. Atomic: a crash leaves the previous checkpoint
+        intact. Returns the directory written.
+
+        Example::
+
+            accelerator.save_state("ckpt/step_500")
+        """
+        from pathlib import Path
+
+        from .checkpoint import rotation
+        from .checkpoint.state import save_accelerator_state
+
+        self._call_check(self.state, "save_state")
+        config = self.project_configuration
+        automatic = output_dir is None and config.automatic_checkpoint_naming
+        if output_dir is None and not automatic:
+            raise ValueError(
+                "save_state() needs output_dir=, or Accelerator(project_config=ProjectConfiguration("
+                "project_dir=..., automatic_checkpoint_naming=True))"
+            )
+        target = config.checkpoints_dir / f"checkpoint_{config.iteration}" if automatic else Path(output_dir)
+        save_accelerator_state(self, target, self._checkpoint_objects)
+        if automatic:
+            config.iteration += 1
+            if self.is_main_process:
+                rotation.rotate(config.checkpoints_dir, config.total_limit)
+            self.wait_for_everyone()
+        return str(target)
+
+    def load_state(self, input_dir: Optional[str] = None) -> str:
+        """Restore what :meth:`save_state` wrote, into the prepared objects, whatever backend
+        or world size saved it. Without ``input_dir`` (automatic naming) the newest complete
+        checkpoint. Collective. A mismatch or a corrupt checkpoint raises and loads nothing.
+
+        Example::
+
+            accelerator.load_state("ckpt/step_500")
+        """
+        from pathlib import Path
+
+        from .checkpoint import rotation
+        from .checkpoint.state import load_accelerator_state
+
+        self._call_check(self.state, "load_state")
+        config = self.project_configuration
+        if input_dir is None:
+            if not config.automatic_checkpoint_naming:
+                raise ValueError(
+                    "load_state() needs input_dir=, or automatic_checkpoint_naming=True in project_config"
+                )
+            source = rotation.latest_checkpoint(config.checkpoints_dir)
+        else:
+            source = Path(input_dir)
+        load_accelerator_state(self, source, self._checkpoint_objects)
+        number = rotation.checkpoint_number(source)
+        if config.automatic_checkpoint_naming and number is not None:
+            config.iteration = number + 1
+        return str(source)
+
+    def save_model(self, model: nn.Module, save_directory: str, dtype: Union[str, torch.dtype, None] = None) -> str:
+        """Write ``model``'s full weights (fp32 masters, cast to ``dtype`` if given) to
+        ``save_directory/model.safetensors``. Call it on every process; the main process writes.
+
+        Example::
+
+            accelerator.save_model(model, "export", dtype="bf16")
+        """
+        from pathlib import Path
+
+        from .checkpoint.consolidate import write_state_dict
+
+        self._call_check(self.state, "save_model")
+        state = self.get_state_dict(model)
+        out = Path(save_directory) / "model.safetensors"
+        error = None
+        if self.is_main_process:
+            try:
+                write_state_dict(state, out, dtype)
+            except (ValueError, OSError) as e:
+                error = f"{type(e).__name__}: {e}"
+        error = collectives.broadcast_object_list(self.state, [error])[0]
+        if error is not None:
+            raise ValueError(f"save_model({str(save_directory)!r}) failed: {error}")
+        return str(out)
 
 
 def _is_scheduler(obj: Any) -> bool:

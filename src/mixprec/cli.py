@@ -1,6 +1,8 @@
 """The ``mixprec`` command line. Subcommands: ``env`` (versions and build flags for bug reports),
 ``launch`` (start a multi-process run; see :mod:`mixprec.launch`), ``parity`` (compare
-backends with an fp32 reference; see :mod:`mixprec.parity`)."""
+backends with an fp32 reference; see :mod:`mixprec.parity`), ``consolidate`` (one
+safetensors file of full weights from a sharded checkpoint, e.g.
+``mixprec consolidate runs/a/checkpoints/checkpoint_3 model.safetensors --dtype bf16``)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,18 @@ def _env() -> int:
     return 0
 
 
+def _consolidate(args) -> int:
+    from .checkpoint import consolidate
+
+    try:
+        out = consolidate(args.checkpoint, args.out, dtype=args.dtype, model=args.model)
+    except ValueError as e:
+        print(f"mixprec consolidate: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import parity
 
     parity.add_arguments(sub.add_parser("parity", help="compare backends step by step with an fp32 reference"))
+    cons = sub.add_parser("consolidate", help="write a checkpoint's full model weights to one safetensors file")
+    cons.add_argument("checkpoint", help="checkpoint directory written by save_state()")
+    cons.add_argument("out", help="output .safetensors file")
+    cons.add_argument("--dtype", default=None, help="cast floating tensors: fp32, bf16 or fp16 (default: as saved)")
+    cons.add_argument("--model", type=int, default=0, help="which prepared model (default 0)")
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
@@ -59,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return launch.run_launch(args)
     if args.command == "parity":
         return parity.run_cli(args)
+    if args.command == "consolidate":
+        return _consolidate(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

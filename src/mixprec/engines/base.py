@@ -49,6 +49,9 @@ class Engine:
 
     name: ClassVar[str] = "base"
     distributed: ClassVar[bool] = False  # takes a `group=` process group and needs WORLD_SIZE > 1
+    # Every rank holds whole tensors, so the base checkpoint contract below applies; a
+    # sharding engine must override state_shards/load_state_shards with its slices.
+    replicated_state: ClassVar[bool] = False
 
     def __init__(
         self, policy: PrecisionPolicy, device: torch.device, *, fused_optimizer: bool = True
@@ -344,6 +347,120 @@ class Engine:
         self.scaler.load(
             float(state["scale"]), int(state["_growth_tracker"]), int(state.get("_hysteresis_left", 1))
         )
+
+    # ------------------------------------------------------------- checkpoints
+    def _require_replicated(self, call: str) -> None:
+        if not self.replicated_state:
+            raise NotImplementedError(
+                f"{call} with backend={self.name!r}: this engine shards its state and does not "
+                "describe its shards to the checkpoint writer yet; save with backend='ddp' or "
+                "'single', or export weights with accelerator.get_state_dict(model)"
+            )
+
+    def state_shards(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list:
+        """What this rank holds of every tensor a checkpoint saves, as
+        :class:`mixprec.checkpoint.Shard` objects (the engine contract for checkpoints).
+
+        Names: ``model/<param or buffer name>`` (``model<i>/`` for the i-th prepared model,
+        i > 0) and ``optim/<j>/<param key>/<state key>`` for optimizer ``j``, where the
+        param key is the parameter's name in its model (prefixed ``model<i>/`` for i > 0), so
+        optimizer state can be loaded into another backend or world size. Parameters are
+        given in full precision (their fp32 masters where there are). Each shard gives the
+        GLOBAL shape and dtype, the flat range ``[offset, offset + numel)`` this rank holds
+        and the flat local tensor; ``replicated=True`` means every rank holds the same whole
+        tensor (only rank 0 writes it). Sharded engines override this with their slices.
+
+        This base implementation (single, ddp) returns whole, replicated tensors.
+
+        Example::
+
+            shards = engine.state_shards([model], [optimizer])
+            shards[0].name, shards[0].shape      # ('model/0.weight', (64, 16))
+        """
+        from ..checkpoint.format import Shard, model_prefix
+
+        self._require_replicated("save_state")
+        shards, key_of = [], {}
+        for i, model in enumerate(models):
+            prefix = model_prefix(i)
+            for name, t in model.state_dict(keep_vars=True).items():
+                src = self.master_of.get(id(t), t)
+                key_of.setdefault(id(src), (prefix + name)[len("model/"):])
+                src = src.detach()
+                shards.append(Shard(prefix + name, tuple(src.shape), src.dtype, 0, src.reshape(-1), True))
+        for j, optimizer in enumerate(optimizers):
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    key = key_of.get(id(p))
+                    if key is None:
+                        raise ValueError(
+                            f"optimizer {j} holds a parameter of shape {tuple(p.shape)} that belongs "
+                            "to no prepared model; prepare the model that owns it before saving"
+                        )
+                    for skey, value in optimizer.state.get(p, {}).items():
+                        if not isinstance(value, torch.Tensor):
+                            if not isinstance(value, (int, float, bool)):
+                                raise ValueError(
+                                    f"optimizer {j} state {key}/{skey} is a {type(value).__name__} "
+                                    f"({value!r}); checkpoints hold tensors and numbers only"
+                                )
+                            value = torch.tensor(value)
+                        v = value.detach()
+                        shards.append(Shard(f"optim/{j}/{key}/{skey}", tuple(v.shape), v.dtype, 0, v.reshape(-1), True))
+        return shards
+
+    def load_state_shards(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], read) -> None:
+        """Load what :meth:`state_shards` names from a checkpoint, whatever wrote it.
+
+        ``read(name, offset, numel)`` returns that flat range of a global tensor (assembled
+        from whichever rank files hold it) and ``read.index`` maps every saved name to its
+        ``(shape, dtype)``. Callers validate names and shapes first; an implementation reads
+        everything it needs BEFORE changing anything, so a failure loads nothing. Sharded
+        engines override this to read only their slices.
+
+        This base implementation (single, ddp) reads whole tensors, copies them into the
+        fp32 masters / parameters / buffers, refreshes the low-precision parameters from
+        the masters, and gives each optimizer its state (keyed by parameter name).
+
+        Example::
+
+            engine.load_state_shards([model], [optimizer], reader)
+        """
+        from ..checkpoint.format import model_prefix, numel_of
+
+        self._require_replicated("load_state")
+
+        def whole(name: str) -> torch.Tensor:
+            shape = read.index[name][0]
+            return read(name, 0, numel_of(shape)).reshape(shape)
+
+        staged, key_of = [], {}
+        for i, model in enumerate(models):
+            prefix = model_prefix(i)
+            for name, t in model.state_dict(keep_vars=True).items():
+                dst = self.master_of.get(id(t), t)
+                key_of.setdefault(id(dst), (prefix + name)[len("model/"):])
+                staged.append((dst, whole(prefix + name)))
+        optim_states = []
+        for j, optimizer in enumerate(optimizers):
+            state, groups, index = {}, [], 0
+            for group in optimizer.param_groups:
+                groups.append({**{k: v for k, v in group.items() if k != "params"},
+                               "params": list(range(index, index + len(group["params"])))})
+                for p in group["params"]:
+                    head = f"optim/{j}/{key_of[id(p)]}/"
+                    entries = {n[len(head):]: whole(n) for n in read.index if n.startswith(head) and "/" not in n[len(head):]}
+                    if entries:
+                        state[index] = entries
+                    index += 1
+            optim_states.append({"state": state, "param_groups": groups})
+        with torch.no_grad():
+            for dst, src in staged:
+                dst.copy_(src)
+            for weights in self.masters:
+                kernels.copy_cast_(list(weights.params), list(weights.masters))
+        for optimizer, sd in zip(optimizers, optim_states):
+            optimizer.load_state_dict(sd)
 
 
 def _dominant_dtype(model: nn.Module) -> Optional[torch.dtype]:

@@ -24,6 +24,7 @@ class DDPEngine(Engine):
     """
 
     name = "ddp"
+    replicated_state = True
     distributed = True
 
     def __init__(

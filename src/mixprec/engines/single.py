@@ -10,3 +10,4 @@ class SingleEngine(Engine):
     this class exists so backends are chosen by name, never by ``if`` chains."""
 
     name = "single"
+    replicated_state = True

@@ -1,0 +1,146 @@
+"""Dataloader positions that survive a restart: count the batches handed out, skip them on resume.
+
+``make_resumable(loader)`` turns a prepared dataloader into a :class:`ResumableDataLoader`
+(the same object; its class gains a counter). ``save_state`` records, per dataloader, how
+many batches of the current pass were handed out, the RNG state that drew the pass's
+order, and the sharded sampler's epoch and shuffle seed. ``load_state`` arms the next
+``iter()`` to draw the same order and skip the consumed batches (``skip_first_batches``
+semantics), so the loop continues with the batch that came next.
+
+Skipped batches are still loaded (and dropped): datasets whose ``__getitem__`` draws
+random numbers see them in a different order than in an uninterrupted run.
+
+Example::
+
+    loader = accelerator.prepare(DataLoader(ds, batch_size=8, shuffle=True))
+    make_resumable(loader)               # right after prepare(), before iterating
+    accelerator.load_state(ckpt)         # the next `for batch in loader` resumes mid-epoch
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..wrappers.dataloader import PreparedDataLoader
+
+_END = object()
+
+
+class ResumableDataLoader(PreparedDataLoader):
+    """A :class:`PreparedDataLoader` that knows its position in the current pass."""
+
+    _mixprec_yielded = 0  # batches handed out in the current pass (skipped ones included)
+    _mixprec_in_progress = False  # a pass started and has not run to its end
+    _mixprec_epoch_rng: Optional[dict] = None  # generator states that drew this pass's order
+    _mixprec_skip = 0  # batches the next pass skips (set by load_state)
+    _mixprec_order_rng: Optional[dict] = None  # generator states the next pass draws from
+
+    def __iter__(self):
+        skip, order_rng = self._mixprec_skip, self._mixprec_order_rng
+        self._mixprec_skip, self._mixprec_order_rng = 0, None
+        self._mixprec_epoch_rng = order_rng if order_rng is not None else self._rng_states()
+        self._mixprec_yielded = 0
+        self._mixprec_in_progress = True
+        gen = super().__iter__()
+        try:
+            first = _END
+            if order_rng is not None:
+                # The pass's order is drawn when iteration starts: draw it from the saved
+                # states, then give the generators back the checkpoint's current states.
+                now = self._rng_states()
+                self._set_rng_states(order_rng)
+                try:
+                    first = next(gen, _END)
+                finally:
+                    self._set_rng_states(now)
+                if first is _END:
+                    self._mixprec_in_progress = False
+                    return
+            count = 0
+            while True:
+                batch, first = (first, _END) if first is not _END else (next(gen, _END), _END)
+                if batch is _END:
+                    break
+                count += 1
+                if count <= skip:
+                    continue
+                self._mixprec_yielded = count
+                yield batch
+            self._mixprec_yielded = count
+            self._mixprec_in_progress = False
+        finally:
+            gen.close()
+
+    def _generators(self) -> dict:
+        found = {}
+        for where, obj in (("loader", self.dataloader), ("sampler", getattr(self.dataloader, "sampler", None))):
+            g = getattr(obj, "generator", None)
+            if isinstance(g, torch.Generator):
+                found[where] = g
+        return found
+
+    def _rng_states(self) -> dict:
+        states = {"torch": torch.get_rng_state()}
+        states.update({k: g.get_state() for k, g in self._generators().items()})
+        return states
+
+    def _set_rng_states(self, states: dict) -> None:
+        torch.set_rng_state(states["torch"])
+        for k, g in self._generators().items():
+            if k in states:
+                g.set_state(states[k])
+
+    def total_batch_size(self) -> int:
+        """Samples one batch stands for across all processes (to translate positions)."""
+        for obj in (getattr(self.dataloader, "batch_sampler", None), getattr(self.dataloader, "dataset", None)):
+            value = getattr(obj, "total_batch_size", None)
+            if isinstance(value, int):
+                return value
+        return self.dataloader.batch_size or 1
+
+    def checkpoint_state(self) -> dict:
+        sampler = getattr(self.dataloader, "batch_sampler", None)
+        return {
+            "yielded": self._mixprec_yielded if self._mixprec_in_progress else 0,
+            "in_progress": self._mixprec_in_progress,
+            "total_batch_size": self.total_batch_size(),
+            "epoch_rng": self._mixprec_epoch_rng if self._mixprec_in_progress else None,
+            "sampler_epoch": getattr(sampler, "epoch", None),
+            "shuffle_seed": getattr(sampler, "shuffle_seed", None),
+        }
+
+    def load_checkpoint_state(self, state: dict, index: int) -> None:
+        samples = state["yielded"] * state["total_batch_size"]
+        mine = self.total_batch_size()
+        if samples % mine:
+            raise ValueError(
+                f"dataloader {index}: the checkpoint consumed {state['yielded']} batches of "
+                f"{state['total_batch_size']} samples ({samples}), which is not a whole number of this "
+                f"run's global batches of {mine}; use a global batch size that divides {samples}"
+            )
+        sampler = getattr(self.dataloader, "batch_sampler", None)
+        if state["sampler_epoch"] is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(state["sampler_epoch"])
+        if state["shuffle_seed"] is not None and getattr(sampler, "shuffle_seed", None) is not None:
+            sampler.shuffle_seed = state["shuffle_seed"]
+        self._mixprec_skip = samples // mine
+        self._mixprec_order_rng = state["epoch_rng"] if state["in_progress"] else None
+        self._mixprec_in_progress = False
+
+
+def make_resumable(loader: PreparedDataLoader) -> ResumableDataLoader:
+    """Give a prepared dataloader a position that ``save_state`` records (idempotent).
+
+    Call it right after ``prepare()``, before the first pass, so every batch is counted.
+    """
+    if isinstance(loader, ResumableDataLoader):
+        return loader
+    if type(loader) is not PreparedDataLoader:
+        raise TypeError(
+            f"make_resumable() needs a dataloader returned by accelerator.prepare(), got "
+            f"{type(loader).__name__}; pass the prepared loader"
+        )
+    loader.__class__ = ResumableDataLoader
+    return loader

@@ -159,8 +159,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few rounds (smoke test)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.rounds, args.steps, args.dim, args.layers, args.batch = 3, 3, 64, 1, 8
     print(f"torch {torch.__version__}, mixprec {mixprec.__version__} ({mixprec.build_info()}), "

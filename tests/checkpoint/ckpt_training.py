@@ -41,13 +41,14 @@ def dataset(n: int = 48) -> TensorDataset:
     return TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g))
 
 
-def setup(mixed_precision="no", *, shuffle=True, dropout=0.1, batch=8, split_batches=False, project_dir=None, total_limit=None):
+def setup(mixed_precision="no", *, shuffle=True, dropout=0.1, batch=8, split_batches=False, project_dir=None,
+          total_limit=None, backend="auto"):
     torch.manual_seed(0)
     config = None
     if project_dir is not None:
         config = ProjectConfiguration(project_dir=str(project_dir), automatic_checkpoint_naming=True,
                                       total_limit=total_limit, collective_timeout_s=30)
-    acc = Accelerator(mixed_precision=mixed_precision, cpu=True, log_policy=False,
+    acc = Accelerator(mixed_precision=mixed_precision, cpu=True, log_policy=False, backend=backend,
                       split_batches=split_batches, project_config=config)
     model = make_model(dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "che
 
 from ckpt_training import setup, train  # noqa: E402
 
-WORLD = {"single": 1, "ddp": 2}  # backend -> world size it runs at in these tests
+WORLD = {"single": 1, "ddp": 2, "zero1": 2, "zero2": 2}  # backend -> world size in these tests
 
 
 def _run(backend, *args, **kw):
@@ -25,18 +25,19 @@ def _run(backend, *args, **kw):
     Returns one (losses, state, scale) per rank."""
     if WORLD[backend] == 1:
         return [train(*args, **kw)]
-    return run_distributed(_train_rank_kw, WORLD[backend], args=(args, kw))
+    return run_distributed(_train_rank_kw, WORLD[backend], args=(args, {**kw, "backend": backend}))
 
 
 def _train_rank_kw(state, args, kw):
     return train(*args, **kw)
 
 
+@pytest.mark.parametrize("backend", ["ddp", "zero2"])
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
-def test_ddp_resume_is_bitwise(tmp_path, mixed_precision):
+def test_resume_is_bitwise(tmp_path, mixed_precision, backend):
     ck = str(tmp_path / "c5")
-    full = _run("ddp", mixed_precision, 10, save_at=5, save_dir=ck)
-    resumed = _run("ddp", mixed_precision, 10, load_dir=ck)
+    full = _run(backend, mixed_precision, 10, save_at=5, save_dir=ck)
+    resumed = _run(backend, mixed_precision, 10, load_dir=ck)
     for (f_losses, f_state, _), (r_losses, r_state, _) in zip(full, resumed):
         assert r_losses == f_losses[5:]
         for k in f_state:
@@ -47,7 +48,9 @@ def _mean_losses(runs):
     return [sum(r[0][i] for r in runs) / len(runs) for i in range(len(runs[0][0]))]
 
 
-@pytest.mark.parametrize("source,target", [("single", "ddp"), ("ddp", "single")])
+@pytest.mark.parametrize(
+    "source,target", [("single", "ddp"), ("ddp", "single"), ("single", "zero2"), ("zero2", "ddp"), ("zero1", "single")]
+)
 def test_cross_backend_resume(tmp_path, source, target):
     # Same global batches on both sides: no shuffle, no dropout, split_batches on ddp.
     kw = dict(shuffle=False, dropout=0.0, split_batches=True)

@@ -309,23 +309,3 @@ def test_layout_reverse_order_even_split():
         numel = sum(231 if i % 2 == 0 else 7 for i in b)
         assert s * world >= numel > (s - 1) * world  # padded to a multiple of N, minimally
 
-
-def _save_refused(state, tmp):
-    import torch
-
-    from _helpers import make_mlp
-    from mixprec import Accelerator
-
-    acc = Accelerator(backend="zero2", cpu=True, log_policy=False)
-    model = make_mlp()
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    try:
-        acc.save_state(tmp)
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
-def test_checkpoint_of_sharded_state_is_refused_clearly(tmp_path):
-    for message in run_distributed(_save_refused, 2, args=(str(tmp_path / "ckpt"),)):
-        assert message and "save_state with backend='zero2'" in message

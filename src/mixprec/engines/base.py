@@ -357,6 +357,11 @@ class Engine:
                 "'single', or export weights with accelerator.get_state_dict(model)"
             )
 
+    def state_names(self, models: list[nn.Module]) -> dict[str, tuple]:
+        """Every global model tensor a checkpoint of ``models`` holds: name -> global shape
+        (what ``load_state`` validates against before loading anything)."""
+        return {s.name: tuple(s.shape) for s in self.state_shards(models, [])}
+
     def state_shards(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list:
         """What this rank holds of every tensor a checkpoint saves, as
         :class:`mixprec.checkpoint.Shard` objects (the engine contract for checkpoints).

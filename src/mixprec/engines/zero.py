@@ -19,11 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _C, kernels
+from ..checkpoint.format import model_prefix
 from ..policy import PrecisionPolicy, ScalerConfig
 from ..step import StepResult
 from ..wrappers.model import AutocastGate, ForwardContext, swap_class
 from .base import Engine, OptimizerState, _dominant_dtype
 from .sharded import Segment, build_segments, check_optimizer
+from .zero_state import zero_load_state_shards, zero_state_shards
 
 # DeepSpeed's dynamic loss scaler (runtime/fp16/loss_scaler.py defaults).
 DEEPSPEED_SCALER = ScalerConfig(init_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)
@@ -138,6 +140,18 @@ class ZeroEngine(Engine):
         if core is None:
             raise ValueError(f"got a model that this accelerator did not prepare: {type(model).__name__}")
         return core
+
+    # ------------------------------------------------------------ checkpoints
+    def state_names(self, models: list[nn.Module]) -> dict[str, tuple]:
+        return {model_prefix(i) + n: tuple(t.shape)
+                for i, m in enumerate(models) for n, t in m.state_dict(keep_vars=True).items()}
+
+    def state_shards(self, models, optimizers) -> list:
+        """The slices this rank owns (see mixprec/engines/zero_state.py)."""
+        return zero_state_shards(self, models, optimizers)
+
+    def load_state_shards(self, models, optimizers, read) -> None:
+        zero_load_state_shards(self, models, optimizers, read)
 
     def zero_model_grads(self, model: nn.Module) -> None:
         self._core(model).zero_grad()

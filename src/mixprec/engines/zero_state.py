@@ -1,0 +1,181 @@
+"""Checkpoint shards of the ZeRO engines: each rank describes exactly the slices it owns.
+
+The engine contract (``Engine.state_shards`` / ``load_state_shards``) names every global
+tensor and the flat range a rank holds. A ZeRO rank owns, for every trainable parameter, at
+most one contiguous piece of its fp32 master (``core.owned_ranges()``), and the optimizer
+state of exactly those elements (the optimizer steps shard *segments*: runs of the shard
+that belong to one param group). So the fp32 masters and the element-wise optimizer state
+are written as slices by the rank that owns them, without any gather; buffers and frozen
+parameters are replicated. The reader reassembles any range, so a checkpoint written by
+zero2 on 4 ranks loads into ddp on 2, one process, or zero1 on 3.
+
+[Note: step counters] torch keeps a scalar ``step`` per parameter. A rank that owns no piece
+of a parameter has no state for it, yet ``step`` is saved as a replicated scalar (rank 0
+writes it), so the per-group step is agreed first with one MAX all-reduce and every rank
+describes the same value for every parameter of the group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint.format import Shard, model_prefix, numel_of
+
+
+def _names_of(model: nn.Module, trainable: set[int]) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in trainable:
+            names[id(t)].append(name)
+    return names
+
+
+def _owned(engine, models):
+    """Per model: (prefix, core, params, names_by_id, [(index, shard_offset, param_offset, numel)])."""
+    result = []
+    for i, model in enumerate(models):
+        core = engine._core(model)
+        params = engine.core_params[id(model)]
+        names = _names_of(model, {id(p) for p in params})
+        ranges = [(index, offset, param_offset, numel)
+                  for index, _bucket, offset, param_offset, numel in core.owned_ranges() if numel > 0]
+        result.append((model_prefix(i), model, core, params, names, ranges))
+    return result
+
+
+def _optimizer_layout(engine, optimizer, owned):
+    """(segment master tensor, [(keys, param shape, param_offset, start_in_segment, numel)])"""
+    master_base = {}
+    for prefix, _model, core, params, names, ranges in owned:
+        shard = core.master_shard
+        master_base[shard.untyped_storage().data_ptr()] = (prefix, shard, params, names, ranges)
+    layout = []
+    for segment in engine.segments[id(optimizer)]:
+        m = segment.master
+        prefix, shard, params, names, ranges = master_base[m.untyped_storage().data_ptr()]
+        seg_start = m.storage_offset() - shard.storage_offset()
+        seg_end = seg_start + m.numel()
+        pieces = []
+        for index, offset, param_offset, numel in ranges:
+            if seg_start <= offset and offset + numel <= seg_end:
+                keys = [(prefix + n)[len("model/"):] for n in names[id(params[index])]]
+                pieces.append((keys, tuple(params[index].shape), param_offset, offset - seg_start, numel))
+        layout.append((m, pieces))
+    return layout
+
+
+def _group_steps(engine, optimizer) -> list[float]:
+    """Per param group, the step count every rank agrees on ([Note: step counters])."""
+    steps = []
+    for group in optimizer.param_groups:
+        value = -1.0
+        for p in group["params"]:
+            s = optimizer.state.get(p, {}).get("step")
+            if s is not None:
+                value = float(s)
+                break
+        steps.append(value)
+    t = torch.tensor(steps, dtype=torch.float64)
+    if len(steps):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=engine.group)
+    return t.tolist()
+
+
+def zero_state_shards(engine, models, optimizers) -> list[Shard]:
+    owned = _owned(engine, models)
+    shards: list[Shard] = []
+    for prefix, model, core, params, names, ranges in owned:
+        trainable = {id(p) for p in params}
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) not in trainable:
+                v = t.detach()
+                shards.append(Shard(prefix + name, tuple(v.shape), v.dtype, 0, v.reshape(-1), True))
+        master = core.master_shard
+        for index, offset, param_offset, numel in ranges:
+            p = params[index]
+            for name in names[id(p)]:
+                shards.append(Shard(prefix + name, tuple(p.shape), torch.float32, param_offset,
+                                    master.narrow(0, offset, numel), False))
+    for j, optimizer in enumerate(optimizers):
+        steps = _group_steps(engine, optimizer)
+        layout = _optimizer_layout(engine, optimizer, owned)
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        keys_in_group: dict[int, set] = defaultdict(set)
+        for m, pieces in layout:
+            state = optimizer.state.get(m, {})
+            for keys, shape, param_offset, start, numel in pieces:
+                keys_in_group[group_of[id(m)]].update(keys)
+                for skey, value in state.items():
+                    if skey == "step":
+                        continue
+                    if not isinstance(value, torch.Tensor) or value.numel() != m.numel():
+                        raise ValueError(
+                            f"optimizer {j} state {skey!r} is not element-wise (shape "
+                            f"{tuple(getattr(value, 'shape', ()))} for a shard segment of {m.numel()} "
+                            "elements); it cannot be saved per shard"
+                        )
+                    piece = value.detach().reshape(-1).narrow(0, start, numel)
+                    for key in keys:
+                        shards.append(Shard(f"optim/{j}/{key}/{skey}", shape, value.dtype, param_offset, piece, False))
+        all_keys = [None] * len(steps)
+        gathered = [None] * engine.world_size
+        dist.all_gather_object(gathered, {g: sorted(k) for g, k in keys_in_group.items()}, group=engine.group)
+        for part in gathered:
+            for g, keys in part.items():
+                all_keys[g] = sorted(set(all_keys[g] or []) | set(keys))
+        for g, step in enumerate(steps):
+            if step < 0:
+                continue
+            for key in all_keys[g] or []:
+                shards.append(Shard(f"optim/{j}/{key}/step", (), torch.float32, 0,
+                                    torch.tensor([step], dtype=torch.float32), True))
+    return shards
+
+
+def zero_load_state_shards(engine, models, optimizers, read) -> None:
+    owned = _owned(engine, models)
+    staged = []  # (destination view, source) copied only once everything was read
+    for prefix, model, core, params, names, ranges in owned:
+        trainable = {id(p) for p in params}
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) not in trainable:
+                shape = read.index[prefix + name][0]
+                staged.append((t, read(prefix + name, 0, numel_of(shape)).reshape(shape)))
+        master = core.master_shard
+        for index, offset, param_offset, numel in ranges:
+            name = names[id(params[index])][0]
+            staged.append((master.narrow(0, offset, numel), read(prefix + name, param_offset, numel)))
+    new_states = []
+    for j, optimizer in enumerate(optimizers):
+        for m, pieces in _optimizer_layout(engine, optimizer, owned):
+            if not pieces:
+                continue
+            key = pieces[0][0][0]
+            head = f"optim/{j}/{key}/"
+            skeys = [n[len(head):] for n in read.index if n.startswith(head) and "/" not in n[len(head):]]
+            if not skeys:
+                continue
+            entry = {}
+            for skey in skeys:
+                if skey == "step":
+                    entry["step"] = read(head + "step", 0, 1).reshape(()).to(torch.float32)
+                    continue
+                dtype = read.index[head + skey][1]
+                buf = torch.zeros(m.numel(), dtype=dtype, device=m.device)
+                for keys, _shape, param_offset, start, numel in pieces:
+                    buf.narrow(0, start, numel).copy_(read(f"optim/{j}/{keys[0]}/{skey}", param_offset, numel))
+                entry[skey] = buf
+            new_states.append((optimizer, m, entry))
+    with torch.no_grad():
+        for dst, src in staged:
+            dst.copy_(src.to(dst.dtype))
+        for _prefix, _model, core, *_ in owned:
+            core.gather_params(True)
+    for optimizer in optimizers:
+        optimizer.state.clear()
+    for optimizer, m, entry in new_states:
+        optimizer.state[m] = entry

@@ -12,9 +12,6 @@ which must equal the gradient size in the reduce dtype (fp32).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
-import socket
 import statistics
 import sys
 import time
@@ -22,26 +19,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
 
-def _rank_main(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _bench(rank, args)
-    finally:
-        dist.destroy_process_group()
+def _bench_rank(state, args) -> None:
+    _bench(state.rank, args)
 
 
 def _bench(rank: int, args) -> None:
@@ -135,7 +121,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.dim, args.layers, args.steps, args.rounds = 64, 1, 2, 2
-    mp.spawn(_rank_main, args=(args.world_size, _free_port(), args), nprocs=args.world_size, join=True)
+    # mixprec's own local process runner (one thread per rank, Gloo on 127.0.0.1).
+    run_distributed(_bench_rank, args.world_size, args=(args,), timeout=3600)
 
 
 if __name__ == "__main__":

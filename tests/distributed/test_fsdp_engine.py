@@ -167,6 +167,10 @@ def _memory(state, name):
     with torch.no_grad():
         model(x)
     outside.append(acc.engine.param_buffer_bytes())
+    state = acc.get_state_dict(model)
+    with acc.engine.full_params(model):  # read the parameters outside forward
+        readable = all(p.equal(state[n]) for n, p in model.named_parameters())
+    assert readable and acc.engine.param_buffer_bytes() == 0
     masters = sum(c.master_shard.numel() * 4 for c in acc.engine._all_cores())
     padded = sum(c.padded_numel * 4 for c in acc.engine._all_cores())
     shapes = [tuple(p.shape) for p in model.parameters()]

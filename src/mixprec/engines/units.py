@@ -8,6 +8,7 @@ one set of buckets of the existing layout.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -89,7 +90,7 @@ def assign_params(model: nn.Module, units: list[tuple[str, nn.Module]], names: l
 @dataclass
 class Unit:
     name: str
-    module: nn.Module
+    module: "weakref.ref[nn.Module]"  # weak: see [Note: no reference cycles]
     core: object  # _C.ShardedCore
     reshard_after_forward: bool
     is_root: bool = False
@@ -127,11 +128,19 @@ class UnitRunner:
     _callback_queued: bool = False
 
     def install(self) -> None:
+        # [Note: no reference cycles]
+        # The hooks hold the runner weakly and the units hold their modules weakly, so the
+        # model and the engine hold each other in one direction only and the sharding cores
+        # (which keep the process group alive) are freed by reference counting when the
+        # user drops them, not by a cycle collection during interpreter shutdown, where
+        # destroying a Gloo process group aborted the process.
+        runner = weakref.ref(self)
         for unit in self.units:
-            if unit.core is None:
+            module = unit.module()
+            if unit.core is None or module is None:
                 continue
-            unit.module.register_forward_pre_hook(lambda m, a, u=unit: self.pre_forward(u))
-            unit.module.register_forward_hook(lambda m, a, out, u=unit: self.post_forward(u, out))
+            module.register_forward_pre_hook(lambda m, a, u=unit: runner().pre_forward(u))
+            module.register_forward_hook(lambda m, a, out, u=unit: runner().post_forward(u, out))
 
     def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
         order = self.order
@@ -162,7 +171,8 @@ class UnitRunner:
         if unit.reshard_after_forward and not unit.is_root:
             unit.core.reshard()
         if grads:
-            register_multi_grad_hook(grads, lambda _g, u=unit: self.pre_backward(u), mode="any")
+            runner = weakref.ref(self)
+            register_multi_grad_hook(grads, lambda _g, u=unit: runner().pre_backward(u), mode="any")
 
     def pre_backward(self, unit: Unit) -> None:
         if not self._callback_queued:

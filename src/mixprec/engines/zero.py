@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -133,7 +134,8 @@ class ZeroEngine(Engine):
         for m in fp32_modules:
             swap_class(m, ForwardContext(self.policy, self.device.type, None, gate, fp32_region=True))
         if self.broadcast_buffers and any(True for _ in model.buffers()):
-            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(model)
+            ref = weakref.ref(model)  # [Note: no reference cycles] in units.py
+            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(ref())
         return model
 
     def _partition(self, model: nn.Module, names: list[str], params: list[torch.Tensor]) -> list[list[int]]:
@@ -431,7 +433,7 @@ class Zero3Engine(ZeroEngine):
 
     def _install_units(self, model: nn.Module, cores: list) -> None:
         named = self._unit_modules + [("", model)]
-        units = [Unit(name, module, core, self.reshard_after_forward, is_root=module is model)
+        units = [Unit(name, weakref.ref(module), core, self.reshard_after_forward, is_root=module is model)
                  for (name, module), core in zip(named, cores)]
         root = units[-1]
         if root.core is None:  # every parameter is in a unit: the root still drives the order
@@ -439,6 +441,22 @@ class Zero3Engine(ZeroEngine):
         runner = UnitRunner(units, prefetch=self.prefetch)
         runner.install()
         self.runners[id(model)] = runner
+
+    @contextlib.contextmanager
+    def full_params(self, model: nn.Module):
+        """Gather every unit of ``model`` (storage dtype) so its parameters can be read; they
+        are freed again on exit. A collective: enter it on every rank. Writes are not kept
+        (the fp32 masters are the truth; use get_state_dict for fp32 values)."""
+        cores = self._cores(model)
+        for core in cores:
+            core.unshard(True)
+        try:
+            for core in cores:
+                core.wait_unshard()
+            yield model
+        finally:
+            for core in cores:
+                core.reshard()
 
     def unit_names(self, model: nn.Module) -> list[str]:
         """Names of the units of ``model`` holding parameters ("" is the root)."""

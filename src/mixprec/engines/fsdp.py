@@ -76,4 +76,3 @@ class FSDPEngine(Zero3Engine):
                  **options) -> None:
         policy = map_mixed_precision(policy, param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)
         super().__init__(policy, device, **options)
-        self.backend = "fsdp"

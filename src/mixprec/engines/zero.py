@@ -1,4 +1,5 @@
-"""``backend="zero1"`` / ``"zero2"``: ZeRO data parallelism over the C++ sharding core.
+"""``backend="zero1"`` / ``"zero2"`` / ``"zero3"``: ZeRO data parallelism over the C++
+sharding core (``"fsdp"``, engines/fsdp.py, is zero3 with FSDP2's option names).
 
 Each rank keeps an fp32 master shard (its slice of every bucket, see
 csrc/engines/sharded/layout.h) and the optimizer state for that shard only. Gradients
@@ -52,7 +53,7 @@ class ZeroEngine(Engine):
         elementwise_optimizer: bool = False,
         broadcast_buffers: bool = True,
     ) -> None:
-        backend = f"zero{self.stage}"
+        backend = self.name  # zero1 / zero2 / zero3 / fsdp: the name errors echo
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"backend={backend!r} needs an initialised torch.distributed process group: start "

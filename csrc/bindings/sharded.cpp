@@ -22,6 +22,8 @@ void init_sharded(py::module_& m) {
            py::arg("group_name"))
       .def_readonly("reduce_in_backward", &CoreOptions::reduce_in_backward)
       .def_readonly("free_grad_buckets", &CoreOptions::free_grad_buckets)
+      .def_readonly("shard_params", &CoreOptions::shard_params)
+      .def_readonly("reshard_after_backward", &CoreOptions::reshard_after_backward)
       .def_property_readonly("collective", [](const CoreOptions& o) {
         return o.collective == engines::sharded::Collective::kAllReduce ? "allreduce"
                                                                         : "reduce_scatter";
@@ -39,6 +41,13 @@ void init_sharded(py::module_& m) {
       .def("has_grads", &ShardedCore::has_grads)
       .def("gather_params", &ShardedCore::gather_params, py::arg("refresh_lowp"),
            py::call_guard<py::gil_scoped_release>())
+      .def("unshard", &ShardedCore::unshard, py::arg("async_op") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_unshard", &ShardedCore::wait_unshard, py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &ShardedCore::reshard, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("unsharded", &ShardedCore::unsharded)
+      .def("refresh_lowp", &ShardedCore::refresh_lowp)
+      .def("param_buffer_bytes", &ShardedCore::param_buffer_bytes)
       .def("full_masters", &ShardedCore::full_masters, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("master_shard", &ShardedCore::master_shard)
       .def_property_readonly("grad_shard", &ShardedCore::grad_shard)

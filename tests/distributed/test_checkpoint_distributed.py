@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "che
 
 from ckpt_training import setup, train  # noqa: E402
 
-WORLD = {"single": 1, "ddp": 2, "zero1": 2, "zero2": 2}  # backend -> world size in these tests
+WORLD = {"single": 1, "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 4, "fsdp": 2}  # backend -> world size
 
 
 def _run(backend, *args, **kw):
@@ -32,7 +32,7 @@ def _train_rank_kw(state, args, kw):
     return train(*args, **kw)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "zero2"])
+@pytest.mark.parametrize("backend", ["ddp", "zero2", "fsdp"])
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_resume_is_bitwise(tmp_path, mixed_precision, backend):
     ck = str(tmp_path / "c5")
@@ -49,7 +49,9 @@ def _mean_losses(runs):
 
 
 @pytest.mark.parametrize(
-    "source,target", [("single", "ddp"), ("ddp", "single"), ("single", "zero2"), ("zero2", "ddp"), ("zero1", "single")]
+    "source,target",
+    [("single", "ddp"), ("ddp", "single"), ("single", "zero2"), ("zero2", "ddp"), ("zero1", "single"),
+     ("zero3", "ddp"), ("fsdp", "single"), ("single", "fsdp")],
 )
 def test_cross_backend_resume(tmp_path, source, target):
     # Same global batches on both sides: no shuffle, no dropout, split_batches on ddp.

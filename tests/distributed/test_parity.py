@@ -9,7 +9,7 @@ import torch
 from mixprec import parity_check
 from mixprec.parity import demo_batch, demo_model
 
-BACKENDS = ["single", "ddp", "zero1", "zero2"]  # zero3 and fsdp join when they land
+BACKENDS = ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 
 
 def test_bf16_parity_over_all_backends_passes():

@@ -31,6 +31,20 @@ std::vector<LayoutParam> describe(const std::vector<at::Tensor>& params,
   return out;
 }
 
+// Give `t`'s storage `nbytes` of fresh memory (0: release it). Views keep the storage
+// object, so they see the new memory. See [Note: parameter sharding] in core.h.
+void set_storage_bytes(const at::Tensor& t, size_t nbytes) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  if (nbytes == 0) {
+    impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  } else {
+    auto* allocator = impl->allocator();
+    if (allocator == nullptr) allocator = c10::GetAllocator(t.device().type());
+    impl->set_data_ptr_noswap(allocator->allocate(nbytes));
+  }
+  impl->set_nbytes(nbytes);
+}
+
 }  // namespace
 
 ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -88,6 +102,7 @@ ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string
         }));
     hooks_.emplace_back(std::move(acc), key);
   }
+  if (options_.shard_params) reshard_locked();
 }
 
 ShardedCore::~ShardedCore() {
@@ -119,6 +134,7 @@ void ShardedCore::on_grad_ready(size_t index) {
       .add_(g.reshape({-1}), inv);
   g = at::Tensor();  // the full gradient is not kept: the bucket (then the shard) holds it
   bucket.dirty = true;
+  if (options_.reshard_after_backward && ++grads_seen_ == params_.size()) reshard_locked();
   if (!sync_ || !options_.reduce_in_backward) return;
   TORCH_CHECK(!ready_[index], "parameter '", layout_.params()[index].name,
               "' received its gradient twice in one backward; the sharded engine reduces each "
@@ -242,6 +258,73 @@ void ShardedCore::gather_params(bool refresh_lowp) {
   }
   for (auto& w : works) w->wait();
   bytes_gathered_last_ = bytes;
+}
+
+void ShardedCore::unshard(bool async_op) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  unshard_locked(async_op);
+}
+
+void ShardedCore::unshard_locked(bool async_op) {
+  grads_seen_ = 0;
+  if (!unsharded_) {
+    const auto& lb = layout_.buckets();
+    int64_t bytes = 0;
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      auto& flat = buckets_[b].params_flat;
+      set_storage_bytes(flat, flat.nbytes());
+      auto input = lowp_[b].defined() ? lowp_[b] : master_.narrow(0, lb[b].shard_offset, lb[b].shard);
+      buckets_[b].gather = group_->all_gather_single(flat, input);
+      bytes += static_cast<int64_t>(flat.nbytes());
+    }
+    bytes_gathered_last_ = bytes;
+    unsharded_ = true;
+  }
+  if (!async_op) wait_unshard_locked();
+}
+
+void ShardedCore::wait_unshard() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  wait_unshard_locked();
+}
+
+void ShardedCore::wait_unshard_locked() {
+  for (auto& bucket : buckets_) {
+    if (bucket.gather) {
+      bucket.gather->wait();
+      bucket.gather.reset();
+    }
+  }
+}
+
+void ShardedCore::reshard() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reshard_locked();
+}
+
+void ShardedCore::reshard_locked() {
+  TORCH_CHECK(options_.shard_params, "reshard() needs a core built with shard_params "
+              "(backend='zero3' or 'fsdp'); zero1/zero2 keep full parameters");
+  if (!unsharded_) return;
+  wait_unshard_locked();  // never free memory a collective is still writing
+  for (auto& bucket : buckets_) set_storage_bytes(bucket.params_flat, 0);
+  unsharded_ = false;
+}
+
+void ShardedCore::refresh_lowp() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto& lb = layout_.buckets();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (lowp_[b].defined()) lowp_[b].copy_(master_.narrow(0, lb[b].shard_offset, lb[b].shard));
+  }
+}
+
+int64_t ShardedCore::param_buffer_bytes() const {
+  int64_t total = 0;
+  for (const auto& bucket : buckets_) {
+    total += static_cast<int64_t>(bucket.params_flat.storage().nbytes());
+  }
+  return total;
 }
 
 std::vector<at::Tensor> ShardedCore::full_masters() {

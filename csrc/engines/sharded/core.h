@@ -21,6 +21,19 @@
 // kReduceScatter uses the group's reduce_scatter_single; kAllReduce all-reduces
 // the bucket and keeps the owned slice. Both SUM the same fp32 values, so the
 // owned result is identical; on Gloo the all-reduce is faster (see docs/zero.md).
+//
+// [Note: parameter sharding]
+// With shard_params (ZeRO-3 / FSDP, one core per unit) the flat parameter buffers
+// are freed between uses: their storage is released (0 bytes) while the parameters
+// stay the same leaf tensors, views of that storage, so their shapes, names and
+// gradient accumulators (hence the hooks above) never change. unshard() allocates
+// the storage again and all-gathers the owned shards (storage dtype) into it; the
+// views see the data with no set_data. reshard() releases it. The collective writes
+// bypass the autograd version counter, so tensors saved for backward that alias the
+// parameters are valid again once the unit is gathered before its backward. With
+// reshard_after_backward the hook that receives the unit's last gradient of a
+// backward releases the storage: every node using a parameter has run before its
+// AccumulateGrad fires.
 #pragma once
 
 #include "engines/sharded/layout.h"
@@ -45,6 +58,8 @@ struct CoreOptions {
   bool reduce_in_backward = true;  // ZeRO-2: reduce-scatter while backward runs
   bool free_grad_buckets = true;   // release full-size fp32 buckets after each reduction
   Collective collective = Collective::kReduceScatter;
+  bool shard_params = false;            // ZeRO-3/FSDP: flat parameter buffers freed between uses
+  bool reshard_after_backward = false;  // free them when the unit's last gradient arrives
 };
 
 class ShardedCore {
@@ -72,6 +87,16 @@ class ShardedCore {
   // All-gather every bucket's owned parameters (storage dtype) into the model's parameters.
   // refresh_lowp: first round the fp32 master shard into the low-precision shards.
   void gather_params(bool refresh_lowp);
+  // [Note: parameter sharding]. unshard(async_op=true) only launches the all-gathers
+  // (prefetch); wait_unshard() finishes them. Both are no-ops when already gathered.
+  void unshard(bool async_op);
+  void wait_unshard();
+  void reshard();
+  bool unsharded() const { return unsharded_; }
+  // Round the fp32 master shard into the low-precision shards (no gather).
+  void refresh_lowp();
+  // Bytes of flat parameter buffers currently allocated on this rank.
+  int64_t param_buffer_bytes() const;
   // Full fp32 value of every parameter (all-gathers the masters), in model order.
   std::vector<at::Tensor> full_masters();
 
@@ -94,6 +119,7 @@ class ShardedCore {
     size_t pending = 0;
     bool dirty = false;      // holds gradients not reduced yet
     c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10d::Work> gather;  // in-flight unshard all-gather
   };
 
   void on_grad_ready(size_t index);
@@ -103,6 +129,9 @@ class ShardedCore {
   void complete_locked(size_t b);
   void finalize_backward();
   void reduce_locked();
+  void unshard_locked(bool async_op);
+  void wait_unshard_locked();
+  void reshard_locked();
 
   Layout layout_;
   std::vector<at::Tensor> params_;
@@ -117,6 +146,8 @@ class ShardedCore {
   bool sync_ = true;
   bool callback_queued_ = false;
   bool has_grads_ = false;
+  bool unsharded_ = true;
+  size_t grads_seen_ = 0;  // gradients received since the last unshard (reshard_after_backward)
   size_t next_launch_ = 0;
   int64_t bytes_reduced_running_ = 0;
   int64_t bytes_reduced_last_ = 0;

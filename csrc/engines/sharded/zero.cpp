@@ -8,13 +8,15 @@ namespace mixprec::engines::sharded {
 
 CoreOptions zero_options(int64_t stage, int64_t bucket_cap_bytes, int64_t first_bucket_cap_bytes,
                          const std::string& collective, const std::string& group_name) {
-  TORCH_CHECK_VALUE(stage == 1 || stage == 2, "ZeRO stage=", stage,
-                    " is not built on the sharding core; use stage 1 or 2");
+  TORCH_CHECK_VALUE(stage >= 1 && stage <= 3, "ZeRO stage=", stage,
+                    " does not exist; use stage 1, 2 or 3");
   CoreOptions o;
   o.bucket_cap_bytes = bucket_cap_bytes;
   o.first_bucket_cap_bytes = first_bucket_cap_bytes;
   o.reduce_in_backward = stage >= 2;
   o.free_grad_buckets = stage >= 2;
+  o.shard_params = stage >= 3;
+  o.reshard_after_backward = stage >= 3;
   if (collective == "reduce_scatter") {
     o.collective = Collective::kReduceScatter;
   } else if (collective == "allreduce") {

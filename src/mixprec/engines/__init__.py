@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import Engine
 from .ddp import DDPEngine
+from .fsdp import FSDPEngine
 from .single import SingleEngine
 from .zero import Zero1Engine, Zero2Engine, Zero3Engine
 
@@ -13,6 +14,7 @@ ENGINES: dict[str, type[Engine]] = {
     "zero1": Zero1Engine,
     "zero2": Zero2Engine,
     "zero3": Zero3Engine,
+    "fsdp": FSDPEngine,
 }
 BACKEND_NAMES = ("auto", *ENGINES)
 

@@ -1,4 +1,5 @@
-"""``backend="zero1"`` / ``"zero2"``: ZeRO data parallelism over the C++ sharding core.
+"""``backend="zero1"`` / ``"zero2"`` / ``"zero3"``: ZeRO data parallelism over the C++
+sharding core (``"fsdp"``, engines/fsdp.py, is zero3 with FSDP2's option names).
 
 Each rank keeps an fp32 master shard (its slice of every bucket, see
 csrc/engines/sharded/layout.h) and the optimizer state for that shard only. Gradients
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -25,6 +27,7 @@ from ..step import StepResult
 from ..wrappers.model import AutocastGate, ForwardContext, swap_class
 from .base import Engine, OptimizerState, _dominant_dtype
 from .sharded import Segment, build_segments, check_optimizer
+from .units import Unit, UnitRunner, assign_params, select_unit_modules
 from .zero_state import zero_load_state_shards, zero_state_shards
 
 # DeepSpeed's dynamic loss scaler (runtime/fp16/loss_scaler.py defaults).
@@ -52,7 +55,7 @@ class ZeroEngine(Engine):
         elementwise_optimizer: bool = False,
         broadcast_buffers: bool = True,
     ) -> None:
-        backend = f"zero{self.stage}"
+        backend = self.name  # zero1 / zero2 / zero3 / fsdp: the name errors echo
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"backend={backend!r} needs an initialised torch.distributed process group: start "
@@ -82,8 +85,8 @@ class ZeroEngine(Engine):
         )
         self.elementwise_optimizer = elementwise_optimizer  # accept unknown optimizers
         self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward
-        self.cores: dict[int, _C.ShardedCore] = {}  # id(model) -> its sharding core
-        self.core_params: dict[int, list[torch.Tensor]] = {}  # id(model) -> sharded params
+        self.cores: dict[int, list[_C.ShardedCore]] = {}  # id(model) -> its cores (zero3: one per unit)
+        self.core_params: dict[int, list[torch.Tensor]] = {}  # id(core) -> its params, model order
         self.core_of_param: dict[int, _C.ShardedCore] = {}  # id(param) -> core
         self.segments: dict[int, list[Segment]] = {}  # id(optimizer) -> its segments
         self.cores_of_opt: dict[int, list[_C.ShardedCore]] = {}  # id(optimizer) -> cores
@@ -115,19 +118,38 @@ class ZeroEngine(Engine):
         if not params:
             raise ValueError(f"{type(model).__name__} has no trainable parameters to train with {self.backend}")
         input_dtype = target if target is not None else _dominant_dtype(model)
-        core = _C.ShardedCore(params, names, dtypes, self.group_name, self.options)
-        self.cores[id(model)] = core
-        self.core_params[id(model)] = params
-        for p in params:
-            self.core_of_param[id(p)] = core
+        cores = []
+        for indices in self._partition(model, names, params):
+            core = None
+            if indices:
+                unit_params = [params[i] for i in indices]
+                core = _C.ShardedCore(unit_params, [names[i] for i in indices],
+                                      [dtypes[i] for i in indices], self.group_name, self.options)
+                self.core_params[id(core)] = unit_params
+                for p in unit_params:
+                    self.core_of_param[id(p)] = core
+            cores.append(core)
+        self.cores[id(model)] = [c for c in cores if c is not None]
+        self._install_units(model, cores)
         ctx = ForwardContext(self.policy, self.device.type, input_dtype, gate,
                              on_zero_grad=self.zero_model_grads)
         swap_class(model, ctx)
         for m in fp32_modules:
             swap_class(m, ForwardContext(self.policy, self.device.type, None, gate, fp32_region=True))
         if self.broadcast_buffers and any(True for _ in model.buffers()):
-            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(model)
+            ref = weakref.ref(model)  # [Note: no reference cycles] in units.py
+            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(ref())
         return model
+
+    def _partition(self, model: nn.Module, names: list[str], params: list[torch.Tensor]) -> list[list[int]]:
+        """Indices of ``params`` per sharding core (zero1/2: one core for the model)."""
+        return [list(range(len(params)))]
+
+    def _install_units(self, model: nn.Module, cores: list) -> None:
+        """Zero3 gathers/frees units around forward and backward; zero1/2 keep full params."""
+
+    def _all_cores(self) -> list[_C.ShardedCore]:
+        return [c for cores in self.cores.values() for c in cores]
 
     def _sync_buffers(self, model: nn.Module) -> None:
         buffers = list(model.buffers())
@@ -135,11 +157,11 @@ class ZeroEngine(Engine):
             with torch.no_grad():
                 _C.broadcast_coalesced(buffers, self.group_name, 0)
 
-    def _core(self, model: nn.Module) -> _C.ShardedCore:
-        core = self.cores.get(id(model))
-        if core is None:
+    def _cores(self, model: nn.Module) -> list[_C.ShardedCore]:
+        cores = self.cores.get(id(model))
+        if cores is None:
             raise ValueError(f"got a model that this accelerator did not prepare: {type(model).__name__}")
-        return core
+        return cores
 
     # ------------------------------------------------------------ checkpoints
     def state_names(self, models: list[nn.Module]) -> dict[str, tuple]:
@@ -154,14 +176,16 @@ class ZeroEngine(Engine):
         zero_load_state_shards(self, models, optimizers, read)
 
     def zero_model_grads(self, model: nn.Module) -> None:
-        self._core(model).zero_grad()
+        for core in self._cores(model):
+            core.zero_grad()
 
     def full_state_dict(self, model: nn.Module) -> dict:
         """``model.state_dict()`` with fp32 parameters gathered from the master shards.
         A collective: call it on every rank."""
         state = model.state_dict()
-        full = self._core(model).full_masters()
-        by_id = {id(p): t for p, t in zip(self.core_params[id(model)], full)}
+        by_id = {}
+        for core in self._cores(model):
+            by_id.update({id(p): t for p, t in zip(self.core_params[id(core)], core.full_masters())})
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in by_id and name in state:
                 state[name] = by_id[id(p)]
@@ -192,10 +216,9 @@ class ZeroEngine(Engine):
                 cores[id(core)] = core
         segments: list[Segment] = []
         new_params: dict[int, list[torch.Tensor]] = {g: [] for g in range(len(optimizer.param_groups))}
-        for model_id, core in self.cores.items():
-            if id(core) not in cores:
-                continue
-            params = self.core_params[model_id]
+        used = [c for mc in self.cores.values() if any(id(c) in cores for c in mc) for c in mc]
+        for core in used:
+            params = self.core_params[id(core)]
             missing = [p for p in params if id(p) not in group_of]
             if missing:
                 raise ValueError(
@@ -224,7 +247,7 @@ class ZeroEngine(Engine):
 
     def fold_grads(self) -> None:
         """Finish any pending reduction and show the optimizers their gradient shards."""
-        for core in self.cores.values():
+        for core in self._all_cores():
             core.reduce()
         for opt_id, segments in self.segments.items():
             cores = self.cores_of_opt[opt_id]
@@ -237,18 +260,20 @@ class ZeroEngine(Engine):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
-        core = self._core(model)
-        previous = core.sync
-        core.set_sync(False)
+        cores = self._cores(model)
+        previous = [c.sync for c in cores]
+        for c in cores:
+            c.set_sync(False)
         try:
             yield
         finally:
-            core.set_sync(previous)
+            for c, prev in zip(cores, previous):
+                c.set_sync(prev)
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self, *models: nn.Module):
         """Several backward calls inside, one reduction (in bucket order) on exit."""
-        cores = [self._core(m) for m in models] if models else list(self.cores.values())
+        cores = [c for m in models for c in self._cores(m)] if models else self._all_cores()
         previous = [c.sync for c in cores]
         for c in cores:
             c.set_sync(False)
@@ -344,12 +369,20 @@ class ZeroEngine(Engine):
             refresh = False  # the fused kernel already wrote the low-precision shards
         else:
             optimizer.step()
-        for core in self.cores_of_opt[id(optimizer)]:
-            core.gather_params(refresh)
+        self._publish(optimizer, refresh)
 
     def write_back(self, optimizer: torch.optim.Optimizer) -> None:
+        self._publish(optimizer, True)
+
+    def _publish(self, optimizer: torch.optim.Optimizer, refresh_lowp: bool) -> None:
+        """Make the updated shards the model's parameters: zero1/2 all-gather them now;
+        zero3 only refreshes the low-precision shards (the next forward gathers)."""
         for core in self.cores_of_opt[id(optimizer)]:
-            core.gather_params(True)
+            if self.options.shard_params:
+                if refresh_lowp:
+                    core.refresh_lowp()
+            else:
+                core.gather_params(refresh_lowp)
 
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
         state.optimizer.zero_grad(set_to_none=set_to_none)
@@ -359,21 +392,21 @@ class ZeroEngine(Engine):
     # ------------------------------------------------------------ reporting
     def bytes_communicated_last_step(self) -> dict:
         """Bytes handed to collectives by the last reduction and the last parameter gather."""
-        reduced = sum(c.bytes_reduced_last() for c in self.cores.values())
-        gathered = sum(c.bytes_gathered_last() for c in self.cores.values())
+        reduced = sum(c.bytes_reduced_last() for c in self._all_cores())
+        gathered = sum(c.bytes_gathered_last() for c in self._all_cores())
         return {"reduce": reduced, "gather": gathered}
 
     def persistent_bytes(self) -> dict:
         """Per-rank bytes that live across steps: master shard, low-precision shards,
         optimizer state of the shards, and (stage 1) the full fp32 gradient buckets."""
-        masters = sum(c.master_shard.nbytes for c in self.cores.values())
-        lowp = sum(t.nbytes for c in self.cores.values() for t in c.lowp_shards if t is not None)
+        masters = sum(c.master_shard.nbytes for c in self._all_cores())
+        lowp = sum(t.nbytes for c in self._all_cores() for t in c.lowp_shards if t is not None)
         opt_state = 0
         for state in self.optimizers.values():
             for per_param in state.optimizer.state.values():
                 opt_state += sum(v.nbytes for v in per_param.values()
                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
-        grads = sum(c.grad_shard.nbytes + c.grad_bucket_bytes() for c in self.cores.values())
+        grads = sum(c.grad_shard.nbytes + c.grad_bucket_bytes() for c in self._all_cores())
         return {"master": masters, "lowp": lowp, "optimizer_state": opt_state, "grads": grads}
 
 
@@ -391,17 +424,71 @@ class Zero2Engine(ZeroEngine):
     stage = 2
 
 
-class Zero3Engine(Engine):
-    """ZeRO-3 is not built yet; selecting it says what is missing."""
+class Zero3Engine(ZeroEngine):
+    """ZeRO-3: + parameters sharded per unit, gathered around each unit's forward and
+    backward and freed after use (src/mixprec/engines/units.py)."""
 
     name = "zero3"
-    distributed = True
+    stage = 3
+    default_units = "size:1000000"  # a unit per module holding >= 1M parameters not in a smaller unit
 
-    def __init__(self, policy: PrecisionPolicy, device: torch.device, **_options) -> None:
-        raise NotImplementedError(
-            "zero3: parameter sharding is not implemented yet. Missing: per-unit parameter "
-            "all-gather before forward and backward (module hooks forwarding to the C++ core), "
-            "freeing gathered units after use, prefetch of the next unit, and full-shape "
-            "parameters for model.parameters() outside forward. Use backend='zero2' (gradients, "
-            "optimizer state and masters sharded) meanwhile"
-        )
+    def __init__(self, policy: PrecisionPolicy, device: torch.device, *, units=None,
+                 prefetch: bool = True, reshard_after_forward: bool = True, **options) -> None:
+        super().__init__(policy, device, **options)
+        self.units_spec = self.default_units if units is None else units
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True or False")
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = bool(prefetch)
+        self.runners: dict[int, UnitRunner] = {}  # id(model) -> its unit runner
+
+    def _partition(self, model: nn.Module, names: list[str], params: list[torch.Tensor]) -> list[list[int]]:
+        self._unit_modules = select_unit_modules(model, self.units_spec)
+        return assign_params(model, self._unit_modules, names, params)
+
+    def _install_units(self, model: nn.Module, cores: list) -> None:
+        named = self._unit_modules + [("", model)]
+        units = [Unit(name, weakref.ref(module), core, self.reshard_after_forward, is_root=module is model)
+                 for (name, module), core in zip(named, cores)]
+        root = units[-1]
+        if root.core is None:  # every parameter is in a unit: the root still drives the order
+            root.core = _NoCore()
+        runner = UnitRunner(units, prefetch=self.prefetch)
+        runner.install()
+        self.runners[id(model)] = runner
+
+    @contextlib.contextmanager
+    def full_params(self, model: nn.Module):
+        """Gather every unit of ``model`` (storage dtype) so its parameters can be read; they
+        are freed again on exit. A collective: enter it on every rank. Writes are not kept
+        (the fp32 masters are the truth; use get_state_dict for fp32 values)."""
+        cores = self._cores(model)
+        for core in cores:
+            core.unshard(True)
+        try:
+            for core in cores:
+                core.wait_unshard()
+            yield model
+        finally:
+            for core in cores:
+                core.reshard()
+
+    def unit_names(self, model: nn.Module) -> list[str]:
+        """Names of the units of ``model`` holding parameters ("" is the root)."""
+        return [u.name for u in self.runners[id(model)].units if not isinstance(u.core, _NoCore)]
+
+    def param_buffer_bytes(self) -> int:
+        """Bytes of gathered (full) parameter buffers currently allocated on this rank."""
+        return sum(c.param_buffer_bytes() for c in self._all_cores())
+
+
+class _NoCore:
+    """Stands in for the root's core when every parameter lives in a unit."""
+
+    unsharded = True
+
+    def unshard(self, async_op: bool = False) -> None:
+        return None
+
+    def reshard(self) -> None:
+        return None

@@ -35,16 +35,21 @@ def _names_of(model: nn.Module, trainable: set[int]) -> dict[int, list[str]]:
 
 
 def _owned(engine, models):
-    """Per model: (prefix, core, params, names_by_id, [(index, shard_offset, param_offset, numel)])."""
+    """Per sharding core of each model (zero3/fsdp: one per unit):
+    (prefix, model, core, params, names_by_id, [(index, shard_offset, param_offset, numel)])."""
     result = []
     for i, model in enumerate(models):
-        core = engine._core(model)
-        params = engine.core_params[id(model)]
-        names = _names_of(model, {id(p) for p in params})
-        ranges = [(index, offset, param_offset, numel)
-                  for index, _bucket, offset, param_offset, numel in core.owned_ranges() if numel > 0]
-        result.append((model_prefix(i), model, core, params, names, ranges))
+        for core in engine._cores(model):
+            params = engine.core_params[id(core)]
+            names = _names_of(model, {id(p) for p in params})
+            ranges = [(index, offset, param_offset, numel)
+                      for index, _bucket, offset, param_offset, numel in core.owned_ranges() if numel > 0]
+            result.append((model_prefix(i), model, core, params, names, ranges))
     return result
+
+
+def _trainable_ids(owned, model) -> set[int]:
+    return {id(p) for _prefix, m, _core, params, *_ in owned if m is model for p in params}
 
 
 def _optimizer_layout(engine, optimizer, owned):
@@ -88,12 +93,13 @@ def _group_steps(engine, optimizer) -> list[float]:
 def zero_state_shards(engine, models, optimizers) -> list[Shard]:
     owned = _owned(engine, models)
     shards: list[Shard] = []
-    for prefix, model, core, params, names, ranges in owned:
-        trainable = {id(p) for p in params}
+    for i, model in enumerate(models):
+        trainable = _trainable_ids(owned, model)
         for name, t in model.state_dict(keep_vars=True).items():
             if id(t) not in trainable:
                 v = t.detach()
-                shards.append(Shard(prefix + name, tuple(v.shape), v.dtype, 0, v.reshape(-1), True))
+                shards.append(Shard(model_prefix(i) + name, tuple(v.shape), v.dtype, 0, v.reshape(-1), True))
+    for prefix, model, core, params, names, ranges in owned:
         master = core.master_shard
         for index, offset, param_offset, numel in ranges:
             p = params[index]
@@ -139,12 +145,13 @@ def zero_state_shards(engine, models, optimizers) -> list[Shard]:
 def zero_load_state_shards(engine, models, optimizers, read) -> None:
     owned = _owned(engine, models)
     staged = []  # (destination view, source) copied only once everything was read
-    for prefix, model, core, params, names, ranges in owned:
-        trainable = {id(p) for p in params}
+    for i, model in enumerate(models):
+        trainable = _trainable_ids(owned, model)
         for name, t in model.state_dict(keep_vars=True).items():
             if id(t) not in trainable:
-                shape = read.index[prefix + name][0]
-                staged.append((t, read(prefix + name, 0, numel_of(shape)).reshape(shape)))
+                shape = read.index[model_prefix(i) + name][0]
+                staged.append((t, read(model_prefix(i) + name, 0, numel_of(shape)).reshape(shape)))
+    for prefix, model, core, params, names, ranges in owned:
         master = core.master_shard
         for index, offset, param_offset, numel in ranges:
             name = names[id(params[index])][0]
@@ -174,7 +181,12 @@ def zero_load_state_shards(engine, models, optimizers, read) -> None:
         for dst, src in staged:
             dst.copy_(src.to(dst.dtype))
         for _prefix, _model, core, *_ in owned:
-            core.gather_params(True)
+            # zero1/2 all-gather the loaded masters into the parameters now; zero3/fsdp only
+            # refresh their low-precision shards (the next forward gathers).
+            if engine.options.shard_params:
+                core.refresh_lowp()
+            else:
+                core.gather_params(True)
     for optimizer in optimizers:
         optimizer.state.clear()
     for optimizer, m, entry in new_states:

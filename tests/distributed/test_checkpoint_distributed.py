@@ -32,7 +32,7 @@ def _train_rank_kw(state, args, kw):
     return train(*args, **kw)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize("backend", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
 def test_resume_is_bitwise(tmp_path, mixed_precision, backend):
     ck = str(tmp_path / "c5")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
 import logging
 from typing import Any, Optional, Union
 
@@ -380,7 +381,14 @@ class Accelerator:
         return collectives.split_between_processes(self.state, inputs, apply_padding)
 
     def end_training(self) -> None:
-        """Tear down the process group this Accelerator initialised."""
+        """Tear down the process group this Accelerator initialised.
+
+        The engine first drops its C++ objects that hold the group (reducers, sharding
+        cores): a group destroyed here but kept alive by them would only be torn down at
+        interpreter exit, where Gloo aborts ("terminate called without an active exception").
+        """
+        self.engine.release()
+        gc.collect()
         destroy_distributed(self.state)
 
     # ------------------------------------------------------------ checkpoints

@@ -69,6 +69,9 @@ class Engine:
         self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
         self.scaled_backward = False  # a backward went through the scaler since the last step
 
+    def release(self) -> None:
+        """Drop what holds the process group (end of training); the engine is unusable after."""
+
     # ------------------------------------------------------------------ models
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
         """Move ``model`` to the device, apply the storage policy, create fp32 masters and

@@ -81,6 +81,9 @@ class DDPEngine(Engine):
             model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(model)
         return model
 
+    def release(self) -> None:
+        self.reducers.clear()  # their destructors remove the gradient hooks
+
     def _sync_buffers(self, model: nn.Module) -> None:
         buffers = [b for b in model.buffers()]
         if buffers and torch.is_grad_enabled():

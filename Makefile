@@ -20,7 +20,7 @@ $(DEPS): $(BIN)/python Makefile
 
 # Always re-run: scikit-build-core rebuilds incrementally in build/ (ninja, ccache when present).
 install: $(DEPS)
-	$(BIN)/pip install -q --no-build-isolation -e .
+	$(BIN)/pip install -q --no-build-isolation -e ".[test]"
 
 demo: install
 	$(BIN)/python examples/train_transformer.py

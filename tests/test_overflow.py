@@ -80,3 +80,21 @@ def test_unscale_gradients_is_idempotent_within_a_step():
     acc.unscale_gradients()
     acc.clip_grad_norm_(model.parameters(), 1e9)  # unscales again internally: must be a no-op
     assert all(torch.equal(a, p.grad) for a, p in zip(once, model.parameters()))
+
+
+def test_step_hooks_run_only_on_real_steps_in_order():
+    import mixprec
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    acc = mixprec.Accelerator(gradient_accumulation_steps=2, log_policy=False)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []
+    opt.pre_step_hooks.append(lambda o: seen.append(("pre", o is opt)))
+    opt.post_step_hooks.append(lambda o, r: seen.append(("post", r.stepped)))
+    for _ in range(4):
+        with acc.accumulate(model):
+            acc.backward(model(torch.randn(3, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+    assert seen == [("pre", True), ("post", True)] * 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -31,6 +31,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._engine = engine
         self._state = state
         self._gradient_state = gradient_state
+        # Extension points used by the Accelerator (e.g. automatic clipping before a real
+        # step, overflow-storm diagnosis after one). Called only on real (sync) steps, in order.
+        self.pre_step_hooks: list[Callable[["PreparedOptimizer"], None]] = []
+        self.post_step_hooks: list[Callable[["PreparedOptimizer", StepResult], None]] = []
 
     # -- delegation ---------------------------------------------------------
     @property
@@ -81,7 +85,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
         """Apply one update (or report why none was applied)."""
         if not self._gradient_state.sync_gradients:
             return StepResult(False, "accumulating", None, None)
-        return self._engine.step(self._state, closure)
+        for hook in self.pre_step_hooks:
+            hook(self)
+        result = self._engine.step(self._state, closure)
+        for hook in self.post_step_hooks:
+            hook(self, result)
+        return result
 
     @property
     def step_was_skipped(self) -> bool:

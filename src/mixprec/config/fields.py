@@ -111,7 +111,7 @@ def describe_type(tp: Any) -> str:
         text = " or ".join(parts)
         return f"null or {text}" if type(None) in args else text
     if origin is tuple:
-        return f"a list of {describe_type(args[0])}"
+        return "a list of strings" if args[0] is str else f"a list of {describe_type(args[0])}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
 
@@ -126,7 +126,7 @@ def coerce(info: FieldInfo, value: Any, source: str, *, text: bool = False) -> A
         choices = _choices(info.type)
         if choices is not None:
             raise ConfigError(
-                f"{info.path}={value!r} is not supported; {info.label}{choices} (from {source})"
+                f"{info.path}={value!r} is not supported; {info.label}{choices} (from {source})."
                 f"{suggest(value, [c.strip(chr(39)) for c in choices.split(', ')]) if isinstance(value, str) else ''}"
             ) from None
         raise ConfigError(
@@ -156,9 +156,10 @@ def _coerce(tp: Any, value: Any, text: bool) -> Any:
     if origin is Union:
         if type(None) in args and (value is None or (text and str(value).strip().lower() in _NULL_TEXT)):
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        members = [a for a in args if a is not type(None)]
+        if text and str in members and isinstance(value, str) and not value.startswith("size:"):
+            members.sort(key=lambda a: a is str)  # text "A,B" is a list; only "size:<n>" is a string
+        for arg in members:
             try:
                 return _coerce(arg, value, text)
             except _Mismatch:

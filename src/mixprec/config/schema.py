@@ -96,7 +96,9 @@ class Zero3Options(ZeroOptions):
     """``backend: zero3``: + parameters sharded per unit, gathered around each unit's forward
     and backward."""
 
-    units: Optional[Union[str, tuple[str, ...]]] = None
+    units: Optional[Union[str, tuple[str, ...]]] = checked(
+        None, lambda v: not isinstance(v, str) or v.startswith("size:"),
+        "null, a list of module class names, or 'size:<min_params>'")
     """Which modules are gathered together: a list of module class names (e.g.
     ``[TransformerEncoderLayer]``; ``[]`` = the whole model is one unit), or
     ``"size:<min_params>"`` (a unit per module holding at least that many parameters not

@@ -173,6 +173,8 @@ def _coerce(tp: Any, value: Any, text: bool) -> Any:
             raise _Mismatch
         if isinstance(value, str) and value in args:
             return value
+        if value is False and "no" in args:  # YAML 1.1 reads an unquoted `no` as false
+            return "no"
         raise _Mismatch
     if origin is tuple:
         if text and isinstance(value, str):

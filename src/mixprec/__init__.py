@@ -12,6 +12,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from .accelerator import Accelerator
 from .checkpoint.rotation import ProjectConfiguration
+from .config import ConfigError, MixprecConfig
 from .errors import MixprecError, UnscaledBackwardError
 from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
@@ -20,6 +21,8 @@ from .step import StepResult
 __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
+    "ConfigError",
+    "MixprecConfig",
     "MixprecError",
     "ParityReport",
     "ParityTolerance",

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import gc
 import logging
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -16,6 +17,9 @@ from .data.sharding import shard_dataloader
 from .distributed import collectives
 from .distributed.state import DistributedState, destroy_distributed, init_distributed
 from .checkpoint.rotation import ProjectConfiguration, resolve_project_configuration
+from .config.fields import DTYPES
+from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
+from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
 from .engines import resolve_backend
 from .gradient_state import GradientState
@@ -28,6 +32,15 @@ from .wrappers.optimizer import PreparedOptimizer
 from .wrappers.scheduler import PreparedScheduler
 
 logger = logging.getLogger("mixprec")
+
+class _NotGiven:
+    """Default of arguments for which None is a meaningful value (e.g. "disabled")."""
+
+    def __repr__(self) -> str:
+        return "<from config>"
+
+
+NOT_GIVEN = _NotGiven()
 
 _SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, LR scheduler"
 
@@ -48,27 +61,42 @@ class Accelerator:
                 scheduler.step()
                 optimizer.zero_grad()
 
+    Every setting below except ``device``, ``policy``, ``timeout``, ``project_dir`` and
+    ``project_config`` is also a config key (docs/configuration.md): it can come from
+    ``config`` (a YAML/JSON file, a dict or a :class:`mixprec.config.MixprecConfig`), from
+    the file ``mixprec launch --config-file`` names (``$MIXPREC_CONFIG_FILE``), or from a
+    ``MIXPREC_<KEY>`` environment variable. An argument left at None is not given; two
+    sources giving different values raise :class:`mixprec.config.ConfigError` naming both.
+
     Args:
         mixed_precision: ``"no"``, ``"bf16"``, ``"fp16"`` or ``"bf16-pure"`` (explicit
-            opt-in to bf16 weights updated without fp32 masters).
-        gradient_accumulation_steps: micro-batches per optimizer step (>= 1).
+            opt-in to bf16 weights updated without fp32 masters). Default ``"no"``.
+        gradient_accumulation_steps: micro-batches per optimizer step (>= 1, default 1).
         cpu: force the CPU even when CUDA is available.
-        backend: ``"auto"`` or ``"single"``.
+        backend: ``"auto"`` (default), ``"single"``, ``"ddp"``, ``"zero1"``, ``"zero2"``,
+            ``"zero3"`` or ``"fsdp"``.
+        config: a config file path, dict or :class:`mixprec.config.MixprecConfig`.
         device: an explicit device (overrides ``cpu`` and the automatic choice).
         policy: a full :class:`PrecisionPolicy`; conflicts with a different ``mixed_precision``.
         param_dtype: store trainable parameters in this dtype (bf16/fp16) with fp32 masters.
         keep_fp32_modules: module class names / dotted paths that run in fp32.
-        scaler: :class:`ScalerConfig` for fp16 loss scaling.
+        scaler: :class:`ScalerConfig` for fp16 loss scaling (gives the ``scaler.*`` keys
+            whose values differ from the defaults).
         fused_optimizer: step Adam/AdamW/SGD with the C++ fused kernels when eligible.
         step_scheduler_with_optimizer: prepared schedulers follow optimizer steps.
         log_policy: print the resolved policy once at the first ``prepare()``.
-        engine_options: backend-specific settings, e.g. for ``"ddp"``: ``bucket_cap_mb``,
-            ``first_bucket_cap_mb``, ``find_unused_parameters``, ``broadcast_buffers``.
+        engine_options: options of the selected backend (its config block), e.g. for
+            ``"ddp"``: ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``find_unused_parameters``,
+            ``broadcast_buffers``.
         split_batches: prepared dataloaders split each batch across processes (the batch
             size must divide) instead of giving each process its own batches.
         even_batches: every process gets the same number of batches (the last ones are
             completed from the start of the dataset; ``gather_for_metrics`` drops them).
         data_seed: seed of the shuffling shared by all processes (None: drawn on rank 0).
+        gradient_clipping: clip the gradient norm to this before every real optimizer step
+            unless :meth:`clip_grad_norm_` was called for that step (None: off).
+        max_consecutive_overflows: fp16: raise after this many overflow-skipped steps in a
+            row (default 20; None disables).
         timeout: collective timeout of the process group this Accelerator initialises.
         project_dir: folder of the run (shortcut for ``project_config.project_dir``).
         project_config: :class:`mixprec.checkpoint.ProjectConfiguration`: checkpoint
@@ -78,48 +106,81 @@ class Accelerator:
     def __init__(
         self,
         mixed_precision: Optional[str] = None,
-        gradient_accumulation_steps: int = 1,
-        cpu: bool = False,
-        backend: str = "auto",
+        gradient_accumulation_steps: Optional[int] = None,
+        cpu: Optional[bool] = None,
+        backend: Optional[str] = None,
         *,
+        config: ConfigLike = None,
         device: Union[str, torch.device, None] = None,
         policy: Optional[PrecisionPolicy] = None,
         param_dtype: Optional[torch.dtype] = None,
-        keep_fp32_modules: tuple[str, ...] = (),
+        keep_fp32_modules: Optional[tuple[str, ...]] = None,
         scaler: Optional[ScalerConfig] = None,
-        fused_optimizer: bool = True,
-        step_scheduler_with_optimizer: bool = True,
-        log_policy: bool = True,
+        fused_optimizer: Optional[bool] = None,
+        step_scheduler_with_optimizer: Optional[bool] = None,
+        log_policy: Optional[bool] = None,
         engine_options: Optional[dict] = None,
-        split_batches: bool = False,
-        even_batches: bool = True,
+        split_batches: Optional[bool] = None,
+        even_batches: Optional[bool] = None,
         data_seed: Optional[int] = None,
+        gradient_clipping: Optional[float] = None,
+        max_consecutive_overflows: Union[int, None, _NotGiven] = NOT_GIVEN,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         project_dir: Optional[str] = None,
         project_config: Optional[ProjectConfiguration] = None,
     ) -> None:
-        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
-            raise ValueError(
-                f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be an int >= 1"
-            )
-        self.policy = _resolve_policy(
-            mixed_precision, policy, param_dtype=param_dtype,
-            keep_fp32_modules=tuple(keep_fp32_modules), scaler=scaler,
-        )
-        self.state: DistributedState = init_distributed(_pick_device(device, cpu), timeout=timeout)
-        self.device = self.state.device
-        engine_cls = resolve_backend(backend, self.state.world_size)
-        check_device_supports(self.device, self.policy)
+        given = {
+            "mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
+            "cpu": cpu, "backend": backend, "param_dtype": param_dtype,
+            "keep_fp32_modules": keep_fp32_modules, "fused_optimizer": fused_optimizer,
+            "step_scheduler_with_optimizer": step_scheduler_with_optimizer, "log_policy": log_policy,
+            "split_batches": split_batches, "even_batches": even_batches, "data_seed": data_seed,
+            "gradient_clipping": gradient_clipping,
+        }
+        args = {key: (value, key) for key, value in given.items() if value is not None}
+        if max_consecutive_overflows is not NOT_GIVEN:
+            args["max_consecutive_overflows"] = (max_consecutive_overflows, "max_consecutive_overflows")
+        if scaler is not None:
+            if not isinstance(scaler, ScalerConfig):
+                raise TypeError(f"scaler={scaler!r} must be a mixprec.ScalerConfig")
+            args.update({f"scaler.{k}": (v, f"scaler.{k}") for k, v in flatten_object(scaler).items()})
         options = dict(engine_options or {})
+        group = options.pop("group", None)  # a process group: not a config value
+        # The world size is known before the group exists (launchers export WORLD_SIZE).
+        self.config: ResolvedConfig = resolve_config(
+            config, args=args, engine_options=options, world_size=_env_world_size()
+        )
+        cfg = self.config.config
+        self.policy = _resolve_policy(
+            cfg.mixed_precision if self.config.settings["mixed_precision"].kind != "default" else None,
+            policy,
+            param_dtype=DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
+            keep_fp32_modules=tuple(cfg.keep_fp32_modules),
+            scaler=cfg.scaler if any(
+                s.kind != "default" for k, s in self.config.settings.items() if k.startswith("scaler.")
+            ) else None,
+        )
+        self.state: DistributedState = init_distributed(_pick_device(device, cfg.cpu), timeout=timeout)
+        self.device = self.state.device
+        engine_cls = resolve_backend(cfg.backend, self.state.world_size)
+        if engine_cls.name != self.config.backend:  # WORLD_SIZE unset but a group exists
+            self.config = resolve_config(config, args=args, engine_options=options,
+                                         world_size=self.state.world_size)
+        check_device_supports(self.device, self.policy)
+        options = self.config.engine_options()
         if engine_cls.distributed:
-            options.setdefault("group", self.state.group)
-        self.engine = engine_cls(self.policy, self.device, fused_optimizer=fused_optimizer, **options)
-        self.split_batches = split_batches
-        self.even_batches = even_batches
-        self.data_seed = data_seed
-        self.gradient_state = GradientState(gradient_accumulation_steps)
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self._log_policy = log_policy
+            options["group"] = group if group is not None else self.state.group
+        self.engine = engine_cls(self.policy, self.device, fused_optimizer=cfg.fused_optimizer, **options)
+        self.split_batches = cfg.split_batches
+        self.even_batches = cfg.even_batches
+        self.data_seed = cfg.data_seed
+        self.gradient_state = GradientState(cfg.gradient_accumulation_steps)
+        self.step_scheduler_with_optimizer = cfg.step_scheduler_with_optimizer
+        # Clip to this norm before every real step the user did not clip (None: off).
+        self.gradient_clipping: Optional[float] = cfg.gradient_clipping
+        # fp16: consecutive overflow-skipped steps tolerated before raising (None: never).
+        self.max_consecutive_overflows: Optional[int] = cfg.max_consecutive_overflows
+        self._log_policy = cfg.log_policy
         self._policy_logged = False
         self._autocast_gate = AutocastGate()
         self._models: list[nn.Module] = []
@@ -217,8 +278,21 @@ class Accelerator:
             return optimizer
         state = self.engine.prepare_optimizer(optimizer)
         prepared = PreparedOptimizer(optimizer, self.engine, state, self.gradient_state)
+        if self.gradient_clipping is not None:
+            prepared.pre_step_hooks.append(self._auto_clip)
         self._optimizers.append(prepared)
         return prepared
+
+    def _auto_clip(self, optimizer: PreparedOptimizer) -> None:
+        """Pre-step hook (``gradient_clipping``): clip all prepared models' gradients unless
+        they were clipped for this step. The engine records a step's clip in every
+        optimizer's state (``grad_norm``, cleared by that optimizer's step), so a manual
+        ``clip_grad_norm_`` call, or this hook run for an earlier optimizer of the same
+        step, is seen and the gradients are not clipped twice."""
+        if optimizer._state.grad_norm is not None:
+            return
+        params = [p for model in self._models for p in model.parameters()]
+        self.clip_grad_norm_(params, self.gradient_clipping)
 
     def prepare_scheduler(self, scheduler) -> PreparedScheduler:
         if isinstance(scheduler, PreparedScheduler):
@@ -518,6 +592,13 @@ def _resolve_policy(
             )
         return dataclasses.replace(policy, **overrides) if overrides else policy
     return PrecisionPolicy.from_mixed_precision(mixed_precision or "no", **overrides)
+
+
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1  # init_distributed reports a malformed WORLD_SIZE
 
 
 def _has_tensor(obj: Any) -> bool:

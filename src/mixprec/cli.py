@@ -1,4 +1,6 @@
 """The ``mixprec`` command line. Subcommands: ``env`` (versions and build flags for bug reports),
+``config`` (write, ``explain``, ``reference``, ``import`` a config; see
+:mod:`mixprec.config.commands`), ``test`` (a 2-process self-check; see :mod:`mixprec.selftest`),
 ``launch`` (start a multi-process run; see :mod:`mixprec.launch`), ``parity`` (compare
 backends with an fp32 reference; see :mod:`mixprec.parity`), ``consolidate`` (one
 safetensors file of full weights from a sharded checkpoint, e.g.
@@ -60,6 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="print versions, build flags and backend availability")
+    from .config import commands as config_commands
+
+    config_commands.add_arguments(sub.add_parser(
+        "config", help="write a config (flags or questions); explain, reference, import",
+        description="Write a mixprec YAML config from flags (one per key) or by questions. "
+                    "Subcommands: explain, reference, import."))
+    test = sub.add_parser("test", help="2-process self-check: ddp and zero2 in bf16 agree with a reference")
+    test.add_argument("--steps", type=int, default=4, help="training steps per backend (default 4)")
     from . import launch
 
     launch.add_arguments(sub.add_parser("launch", help="start N processes per node (torch.distributed.run + supervision)"))
@@ -74,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "env":
         return _env()
+    if args.command == "config":
+        return config_commands.run(args)
+    if args.command == "test":
+        from . import selftest
+
+        return selftest.main(steps=args.steps)
     if args.command == "launch":
         return launch.run_launch(args)
     if args.command == "parity":

@@ -1,0 +1,436 @@
+"""``mixprec config import``: DeepSpeed JSON and Accelerate YAML configs converted to a
+mixprec config, key by key.
+
+Every key of the input gets one line in the report: what it became (``-> key: value``),
+why it is ignored (it is set elsewhere in mixprec, e.g. the batch size is the
+DataLoader's), or why it is REFUSED (it asks for behaviour mixprec does not have, e.g.
+optimizer offload to NVMe). A refused key is never dropped silently: the command writes
+nothing unless told to drop refused keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .fields import ConfigError, format_value
+from .resolve import flatten, load_file
+
+_DS_BACKENDS = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+# DeepSpeed's fp16 dynamic loss-scaler defaults (runtime/fp16 config).
+_DS_FP16_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+_AUTO = "'auto' is filled in by the HF Trainer integration; give the number itself"
+
+
+@dataclass
+class ImportReport:
+    """The converted config (nested mapping), one report line per input key, refused keys."""
+
+    kind: str  # "DeepSpeed" or "Accelerate"
+    config: dict = field(default_factory=dict)
+    lines: list[tuple[str, str]] = field(default_factory=list)  # (input "key = value", outcome)
+    refused: list[str] = field(default_factory=list)
+    _origin: dict = field(default_factory=dict)  # mixprec key -> input key that set it
+
+    def set(self, src: str, value: Any, key: str, target: Any, note: str = "") -> None:
+        """Record that input ``src`` (= ``value``) becomes mixprec ``key`` = ``target``."""
+        previous = self._origin.get(key)
+        current = self._get(key)
+        if previous is not None and current != target:
+            self.refuse(src, value, f"sets {key}={format_value(target)}, but {previous} already set "
+                        f"{key}={format_value(current)}; make them agree")
+            return
+        self._origin.setdefault(key, src)
+        node = self.config
+        *blocks, leaf = key.split(".")
+        for b in blocks:
+            node = node.setdefault(b, {})
+        node[leaf] = target
+        self.lines.append((f"{src} = {_show(value)}", f"-> {key}: {format_value(target)}{note}"))
+
+    def ignore(self, src: str, value: Any, why: str) -> None:
+        self.lines.append((f"{src} = {_show(value)}", f"ignored: {why}"))
+
+    def refuse(self, src: str, value: Any, why: str) -> None:
+        self.lines.append((f"{src} = {_show(value)}", f"REFUSED: {why}"))
+        self.refused.append(src)
+
+    def _get(self, key: str) -> Any:
+        node: Any = self.config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        return node
+
+    def text(self) -> str:
+        """The per-key report, aligned."""
+        width = min(max((len(a) for a, _ in self.lines), default=0), 60)
+        out = [f"importing a {self.kind} config:"]
+        out += [f"  {a:<{width}}  {b}" for a, b in self.lines]
+        if self.refused:
+            out.append(f"{len(self.refused)} key(s) REFUSED: {', '.join(self.refused)}")
+        return "\n".join(out)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    return format_value(tuple(value) if isinstance(value, list) else value)
+
+
+def import_config(path: str) -> ImportReport:
+    """Convert the DeepSpeed JSON or Accelerate YAML config at ``path``.
+
+    Example::
+
+        report = import_config("ds_config.json")
+        print(report.text()); report.config   # {"backend": "zero3", "mixed_precision": "bf16", ...}
+    """
+    if Path(path).suffix.lower() == ".json":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{path!r} is not a readable JSON file: {e}") from None
+    else:
+        data = load_file(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path!r} must hold a mapping of keys")
+    if "distributed_type" in data or "compute_environment" in data:
+        report = ImportReport("Accelerate")
+        _accelerate(data, report)
+    elif data.keys() & {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16"}:
+        report = ImportReport("DeepSpeed")
+        _deepspeed(data, report)
+    else:
+        raise ConfigError(
+            f"{path!r} is neither a DeepSpeed config (no zero_optimization/fp16/bf16/train_batch_size) "
+            "nor an Accelerate config (no distributed_type/compute_environment)"
+        )
+    flatten(report.config, f"the config imported from {path}")  # the result must be a valid config
+    return report
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+_DS_IGNORED = {
+    "train_batch_size": "the batch size is your DataLoader's batch_size (per process)",
+    "train_micro_batch_size_per_gpu": "the batch size is your DataLoader's batch_size (per process)",
+    "steps_per_print": "mixprec does not log steps; print from your loop",
+    "wall_clock_breakdown": "no DeepSpeed timers here; use the benchmarks or your own timing",
+    "dump_state": "not applicable",
+    "tensorboard": "log from your loop", "wandb": "log from your loop", "csv_monitor": "log from your loop",
+    "comms_logger": "not applicable", "flops_profiler": "not applicable",
+    "zero_force_ds_cpu_optimizer": "no DeepSpeed CPU optimizer here",
+}
+_DS_REFUSED = {
+    "activation_checkpointing": "mixprec has no activation checkpointing; use torch.utils.checkpoint in your model",
+    "amp": "apex amp is not supported; use bf16 or fp16",
+    "pipeline": "pipeline parallelism is not supported", "sparse_attention": "not supported",
+    "compression_training": "not supported", "data_efficiency": "not supported",
+    "elasticity": "elastic batch sizes are not supported",
+    "aio": "NVMe offload is not supported",
+}
+_ZERO_IGNORED = {
+    "allgather_bucket_size": "mixprec all-gathers per bucket (bucket_cap_mb)",
+    "overlap_comm": "mixprec always overlaps reduction with backward",
+    "contiguous_gradients": "mixprec gradients always live in flat buckets",
+    "round_robin_gradients": "not applicable", "sub_group_size": "not applicable",
+    "stage3_max_live_parameters": "zero3 frees each unit after use (reshard_after_forward)",
+    "stage3_max_reuse_distance": "zero3 frees each unit after use (reshard_after_forward)",
+    "stage3_param_persistence_threshold": "zero3 units are chosen by zero3.units",
+    "stage3_gather_16bit_weights_on_model_save": "accelerator.save_model always gathers full weights",
+    "gather_16bit_weights_on_model_save": "accelerator.save_model always gathers full weights",
+    "memory_efficient_linear": "not applicable", "load_from_fp32_weights": "mixprec checkpoints hold fp32 masters",
+    "elastic_checkpoint": "mixprec checkpoints reload at any world size",
+    "ignore_unused_parameters": "not applicable to sharded engines",
+    "zero_hpz_partition_size": "not applicable", "zero_quantized_weights": "not supported",
+}
+
+
+def _deepspeed(data: dict, r: ImportReport) -> None:
+    zero = data.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    block = _DS_BACKENDS.get(stage) if isinstance(stage, int) else None
+    if "zero_optimization" in data and not isinstance(zero, dict):
+        r.refuse("zero_optimization", zero, "must be a mapping")
+        zero = {}
+    if block is None:
+        r.refuse("zero_optimization.stage", stage, "ZeRO stage must be 0, 1, 2 or 3")
+        block = "ddp"
+    elif "stage" in zero:
+        r.set("zero_optimization.stage", stage, "backend", block)
+    precision = [k for k in ("bf16", "fp16") if isinstance(data.get(k), dict) and data[k].get("enabled") is True]
+    for key, value in data.items():
+        if key == "zero_optimization":
+            for sub, v in zero.items():
+                if sub != "stage":
+                    _ds_zero_key(f"zero_optimization.{sub}", sub, v, block, r)
+        elif key in ("bf16", "fp16"):
+            _ds_precision(key, value, precision, r)
+        elif key == "gradient_clipping":
+            if value == "auto":
+                r.refuse(key, value, _AUTO)
+            elif value == 0:
+                r.ignore(key, value, "0 disables clipping in DeepSpeed (gradient_clipping: null, the default)")
+            else:
+                r.set(key, value, "gradient_clipping", float(value))
+        elif key == "gradient_accumulation_steps":
+            if value == "auto":
+                r.refuse(key, value, _AUTO)
+            else:
+                r.set(key, value, "gradient_accumulation_steps", value)
+        elif key in ("optimizer", "scheduler"):
+            kind = value.get("type", "?") if isinstance(value, dict) else value
+            r.ignore(key, value, f"create the {key} ({kind}) yourself in your script and pass it to prepare()")
+        elif key == "zero_allow_untested_optimizer":
+            if block == "ddp" or not value:
+                r.ignore(key, value, "ddp steps the whole model: any optimizer works")
+            else:
+                r.set(key, value, f"{block}.elementwise_optimizer", True,
+                      " (only for optimizers whose update is element-wise)")
+        elif key == "communication_data_type":
+            if str(value).lower() in ("fp32", "float32"):
+                r.ignore(key, value, "mixprec reduces gradients in fp32")
+            else:
+                r.refuse(key, value, "mixprec reduces gradients in fp32 (reduced-precision gradient "
+                         "communication is not supported); remove the key")
+        elif key in ("prescale_gradients", "gradient_predivide_factor"):
+            if value in (False, 1, 1.0):
+                r.ignore(key, value, "mixprec averages gradients in fp32")
+            else:
+                r.refuse(key, value, "gradient pre-scaling is not supported (fp32 averaging); remove the key")
+        elif key in _DS_IGNORED:
+            r.ignore(key, value, _DS_IGNORED[key])
+        elif key in _DS_REFUSED:
+            r.refuse(key, value, _DS_REFUSED[key])
+        else:
+            r.refuse(key, value, "unknown DeepSpeed key, not converted; remove it or report it")
+
+
+def _ds_zero_key(src: str, sub: str, value: Any, block: str, r: ImportReport) -> None:
+    if value == "auto":
+        r.refuse(src, value, _AUTO)
+    elif sub == "reduce_bucket_size":
+        mb = float(value) * 4 / 2**20  # DeepSpeed counts elements; mixprec buckets hold fp32 gradients
+        r.set(src, value, f"{block}.bucket_cap_mb", mb, " (elements x 4 bytes of fp32 gradient, in MiB)")
+    elif sub == "reduce_scatter":
+        if block == "ddp":
+            r.ignore(src, value, "ddp all-reduces")
+        else:
+            r.set(src, value, f"{block}.collective", "reduce_scatter" if value else "allreduce")
+    elif sub == "stage3_prefetch_bucket_size":
+        if block != "zero3":
+            r.ignore(src, value, "only meaningful with stage 3")
+        else:
+            r.set(src, value, "zero3.prefetch", bool(value), " (mixprec prefetches the next unit)")
+    elif sub in ("offload_optimizer", "offload_param"):
+        device = value.get("device", "none") if isinstance(value, dict) else value
+        if str(device).lower() in ("none", "null", "false"):
+            r.ignore(f"{src}.device", device, "no offload (mixprec keeps everything on the training device)")
+        else:
+            what = "optimizer state" if sub == "offload_optimizer" else "parameters"
+            r.refuse(f"{src}.device", device, f"{what} offload to {device} is not supported: mixprec keeps "
+                     "them on the training device (shard them with zero2/zero3 instead)")
+    elif sub == "cpu_offload":
+        if value:
+            r.refuse(src, value, "optimizer offload to cpu is not supported: mixprec keeps optimizer state "
+                     "on the training device")
+        else:
+            r.ignore(src, value, "no offload")
+    elif sub in _ZERO_IGNORED:
+        r.ignore(src, value, _ZERO_IGNORED[sub])
+    else:
+        r.refuse(src, value, "unknown zero_optimization key, not converted; remove it or report it")
+
+
+def _ds_precision(key: str, value: Any, enabled: list[str], r: ImportReport) -> None:
+    if not isinstance(value, dict):
+        r.refuse(key, value, f"{key} must be a mapping with 'enabled'")
+        return
+    if value.get("enabled") == "auto":
+        r.refuse(f"{key}.enabled", "auto", _AUTO)
+        return
+    if value.get("enabled") is not True:
+        r.ignore(f"{key}.enabled", value.get("enabled"), f"{key} is off")
+        return
+    if len(enabled) > 1:
+        r.refuse(f"{key}.enabled", True, "bf16 and fp16 are both enabled; enable one")
+        return
+    r.set(f"{key}.enabled", True, "mixed_precision", key)
+    if key == "bf16":
+        for sub, v in value.items():
+            if sub != "enabled":
+                r.ignore(f"bf16.{sub}", v, "mixprec's bf16 always keeps fp32 masters and reduces in fp32")
+        return
+    given = {k: v for k, v in value.items() if k != "enabled"}
+    for sub, v in given.items():
+        src = f"fp16.{sub}"
+        if sub == "loss_scale":
+            if v == 0:
+                r.ignore(src, v, "0 = dynamic loss scaling, mixprec's fp16")
+            else:
+                r.refuse(src, v, "a static loss scale is not supported (mixprec scales dynamically); use 0")
+        elif sub == "consecutive_hysteresis" and v:
+            r.refuse(src, v, "consecutive hysteresis is not supported (hysteresis counts overflows in a row)")
+        elif sub in ("auto_cast", "consecutive_hysteresis", "fp16_master_weights_and_grads"):
+            r.ignore(src, v, "mixprec's fp16 keeps fp32 masters and autocasts the forward")
+        elif sub not in _DS_FP16_DEFAULTS:
+            r.refuse(src, v, "unknown fp16 key, not converted")
+    for sub, default in _DS_FP16_DEFAULTS.items():
+        v = given.get(sub, default)
+        src = f"fp16.{sub}" + ("" if sub in given else " (DeepSpeed default)")
+        if sub == "initial_scale_power":
+            r.set(src, v, "scaler.init_scale", float(2**v), " (2**initial_scale_power)")
+        elif sub == "loss_scale_window":
+            r.set(src, v, "scaler.growth_interval", int(v))
+        elif sub == "hysteresis":
+            r.set(src, v, "scaler.hysteresis", int(v))
+        else:
+            r.set(src, v, "scaler.min_scale", float(v))
+
+
+# ----------------------------------------------------------------------------- Accelerate
+_ACC_LAUNCH = {
+    "num_processes": "--nproc-per-node (per node) of `mixprec launch`",
+    "num_machines": "--nnodes of `mixprec launch`",
+    "machine_rank": "--node-rank of `mixprec launch`",
+    "main_process_ip": "--master-addr of `mixprec launch`",
+    "main_process_port": "--master-port of `mixprec launch`",
+    "rdzv_backend": "`mixprec launch` uses a static rendezvous",
+    "same_network": "not applicable", "gpu_ids": "set CUDA_VISIBLE_DEVICES",
+    "main_training_function": "`mixprec launch` runs the script", "debug": "not applicable",
+    "downcast_bf16": "TPU only", "enable_cpu_affinity": "not applicable",
+    "tpu_env": "TPU only", "tpu_use_cluster": "TPU only", "tpu_use_sudo": "TPU only",
+}
+_ACC_DISTRIBUTED = {"NO": "single", "MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp"}
+
+
+def _accelerate(data: dict, r: ImportReport) -> None:
+    dist = data.get("distributed_type", "NO")
+    backend = _ACC_DISTRIBUTED.get(str(dist))
+    ds = data.get("deepspeed_config") or {}
+    if dist == "DEEPSPEED":
+        stage = ds.get("zero_stage", 0)
+        backend = _DS_BACKENDS.get(stage)
+        if backend is None:
+            r.refuse("deepspeed_config.zero_stage", stage, "ZeRO stage must be 0, 1, 2 or 3")
+        else:
+            r.set("distributed_type", dist, "backend", backend, f" (zero_stage {stage})")
+    elif backend is None:
+        r.refuse("distributed_type", dist, f"not supported; mixprec runs {', '.join(_ACC_DISTRIBUTED)} "
+                 "and DEEPSPEED (as zero1/2/3)")
+    elif "distributed_type" in data:
+        r.set("distributed_type", dist, "backend", backend)
+    for key, value in data.items():
+        if key == "distributed_type":
+            continue
+        if key == "mixed_precision":
+            if value in ("no", "bf16", "fp16"):
+                r.set(key, value, "mixed_precision", value)
+            else:
+                r.refuse(key, value, "mixprec supports no, bf16 and fp16 (fp8 is not supported)")
+        elif key == "use_cpu":
+            r.set(key, value, "cpu", bool(value))
+        elif key == "compute_environment":
+            if value == "LOCAL_MACHINE":
+                r.ignore(key, value, "mixprec runs where it is launched")
+            else:
+                r.refuse(key, value, "only LOCAL_MACHINE is supported")
+        elif key == "gradient_accumulation_steps":
+            r.set(key, value, "gradient_accumulation_steps", value)
+        elif key == "fsdp_config":
+            for sub, v in (value or {}).items():
+                _acc_fsdp(f"fsdp_config.{sub}", sub, v, value, backend or "fsdp", r)
+        elif key == "deepspeed_config":
+            for sub, v in (value or {}).items():
+                _acc_deepspeed(f"deepspeed_config.{sub}", sub, v, backend or "zero1", r)
+        elif key == "dynamo_config":
+            dyn = (value or {}).get("dynamo_backend", "NO")
+            if str(dyn).upper() == "NO":
+                r.ignore(key, value, "no torch.compile")
+            else:
+                r.refuse(key, value, "mixprec does not compile the model; call torch.compile yourself")
+        elif key in _ACC_LAUNCH:
+            r.ignore(key, value, _ACC_LAUNCH[key])
+        elif key in ("megatron_lm_config", "ipex_config", "mpirun_config", "fp8_config") and not value:
+            r.ignore(key, value, "empty")
+        else:
+            r.refuse(key, value, "not supported by mixprec; remove it")
+
+
+def _acc_fsdp(src: str, sub: str, value: Any, whole: dict, backend: str, r: ImportReport) -> None:
+    block = backend if backend in ("fsdp", "zero3") else None
+    if sub in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward") and isinstance(value, (str, int)) and not isinstance(value, bool):
+        name = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD"}.get(value, str(value)).upper()
+        if name == "FULL_SHARD":
+            r.set(src, value, "fsdp.reshard_after_forward", True)
+        elif name == "SHARD_GRAD_OP":
+            r.set(src, value, "fsdp.reshard_after_forward", False)
+        elif name == "NO_SHARD":
+            r.set(src, value, "backend", "ddp", " (no sharding is data parallel)")
+        else:
+            r.refuse(src, value, "hybrid sharding is not supported; use FULL_SHARD or SHARD_GRAD_OP")
+    elif sub == "fsdp_reshard_after_forward":
+        r.set(src, value, "fsdp.reshard_after_forward", bool(value))
+    elif sub == "fsdp_auto_wrap_policy":
+        if value == "TRANSFORMER_BASED_WRAP":
+            names = whole.get("fsdp_transformer_layer_cls_to_wrap")
+            if not names:
+                r.refuse(src, value, "needs fsdp_transformer_layer_cls_to_wrap (the layer class names)")
+            else:
+                units = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+                r.set(f"{src} + fsdp_transformer_layer_cls_to_wrap", names, f"{block or 'fsdp'}.units", tuple(units))
+        elif value == "SIZE_BASED_WRAP":
+            n = whole.get("fsdp_min_num_params", 100_000_000)
+            r.set(f"{src} + fsdp_min_num_params", n, f"{block or 'fsdp'}.units", f"size:{int(n)}")
+        elif value == "NO_WRAP":
+            r.set(src, value, f"{block or 'fsdp'}.units", (), " (the whole model is one unit)")
+        else:
+            r.refuse(src, value, "use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
+    elif sub in ("fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params"):
+        if whole.get("fsdp_auto_wrap_policy") not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"):
+            r.ignore(src, value, "used only with the matching fsdp_auto_wrap_policy")
+    elif sub == "fsdp_backward_prefetch":
+        r.set(src, value, f"{block or 'fsdp'}.prefetch", str(value).upper() != "NO_PREFETCH")
+    elif sub == "fsdp_offload_params":
+        if value:
+            r.refuse(src, value, "parameter offload to cpu is not supported: mixprec keeps shards on the device")
+        else:
+            r.ignore(src, value, "no offload")
+    elif sub == "fsdp_activation_checkpointing":
+        if value:
+            r.refuse(src, value, "mixprec has no activation checkpointing; use torch.utils.checkpoint in your model")
+        else:
+            r.ignore(src, value, "off")
+    elif sub in ("fsdp_state_dict_type",):
+        r.ignore(src, value, "save_state writes sharded checkpoints, save_model full weights")
+    elif sub in ("fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading"):
+        r.ignore(src, value, "mixprec always starts every rank from rank 0's weights")
+    elif sub in ("fsdp_use_orig_params", "fsdp_version", "fsdp_forward_prefetch"):
+        r.ignore(src, value, "mixprec's fsdp is FSDP2-style (original parameters, per-unit prefetch)")
+    else:
+        r.refuse(src, value, "unknown fsdp_config key, not converted; remove it")
+
+
+def _acc_deepspeed(src: str, sub: str, value: Any, backend: str, r: ImportReport) -> None:
+    if sub == "zero_stage":
+        return  # reported with distributed_type
+    if sub == "gradient_accumulation_steps":
+        r.set(src, value, "gradient_accumulation_steps", value)
+    elif sub == "gradient_clipping":
+        if value in (0, None):
+            r.ignore(src, value, "no clipping")
+        else:
+            r.set(src, value, "gradient_clipping", float(value))
+    elif sub in ("offload_optimizer_device", "offload_param_device"):
+        if str(value).lower() in ("none", "null"):
+            r.ignore(src, value, "no offload")
+        else:
+            r.refuse(src, value, f"offload to {value} is not supported: mixprec keeps everything on the "
+                     "training device")
+    elif sub in ("zero3_init_flag", "zero3_save_16bit_model"):
+        r.ignore(src, value, "mixprec shards at prepare() and save_model gathers full weights")
+    elif sub == "deepspeed_config_file":
+        r.refuse(src, value, f"import that file itself: mixprec config import {value}")
+    else:
+        r.refuse(src, value, "unknown deepspeed_config key, not converted; remove it")

@@ -1,0 +1,195 @@
+"""The typed configuration schema: every knob a mixprec run reads from a file, the
+environment or ``Accelerator(...)`` arguments.
+
+Each block is a frozen, keyword-only dataclass; the docstring under a field is its
+documentation (``mixprec config reference`` prints it into docs/configuration.md). A
+field's *constraint* (beyond its type) is given with :func:`checked`.
+
+Example (YAML)::
+
+    backend: zero3
+    mixed_precision: bf16
+    gradient_clipping: 1.0
+    zero3:
+      units: [TransformerEncoderLayer]
+      prefetch: true
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from ..engines import BACKEND_NAMES
+from ..policy import PRESETS, ScalerConfig
+
+Backend = Literal[BACKEND_NAMES]  # "auto", "single", "ddp", "zero1", "zero2", "zero3", "fsdp"
+MixedPrecision = Literal[PRESETS]  # "no", "bf16", "fp16", "bf16-pure"
+Dtype = Literal["fp32", "bf16", "fp16"]
+Collective = Literal["auto", "reduce_scatter", "allreduce"]
+LossScaler = Literal["torch", "deepspeed"]
+
+
+def checked(default, predicate, rule: str):
+    """A dataclass field whose value must satisfy ``predicate``; ``rule`` says how (for errors)."""
+    return field(default=default, metadata={"check": predicate, "rule": rule})
+
+
+def labelled(default, label: str):
+    """A field whose error for a value outside its choices starts the list with ``label``."""
+    return field(default=default, metadata={"label": label})
+
+
+def _positive(v) -> bool:
+    return v > 0 and v != math.inf
+
+
+def _at_least_one(v) -> bool:
+    return v is None or v >= 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """``backend: ddp``: replicated parameters, gradients all-reduced in buckets during backward."""
+
+    bucket_cap_mb: float = checked(25.0, _positive, "a number > 0 (MiB)")
+    """Size cap of a gradient bucket, in MiB. A bucket is all-reduced as soon as all its
+    gradients are ready."""
+    first_bucket_cap_mb: float = checked(1.0, _positive, "a number > 0 (MiB)")
+    """Cap of the first bucket (the last layers' gradients), in MiB: small, so communication
+    starts early in backward."""
+    find_unused_parameters: bool = False
+    """Mark parameters that got no gradient in a backward as ready (needed when some
+    forward passes skip parameters)."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """``backend: zero1`` / ``zero2``: fp32 master weights, optimizer state (and, stage 2,
+    gradients) sharded over the processes."""
+
+    bucket_cap_mb: float = checked(25.0, _positive, "a number > 0 (MiB)")
+    """Size cap of a flat bucket, in MiB (the unit of reduce-scatter and all-gather)."""
+    first_bucket_cap_mb: float = checked(1.0, _positive, "a number > 0 (MiB)")
+    """Cap of the first bucket, in MiB."""
+    collective: Collective = "auto"
+    """How gradients are reduced into the shards: ``reduce_scatter``, ``allreduce`` (then
+    each rank keeps its slice), or ``auto`` (reduce-scatter where the process group
+    supports it)."""
+    loss_scaler: LossScaler = "torch"
+    """fp16 only: ``torch`` (torch.amp.GradScaler's dynamic scaler, configured by
+    ``scaler``) or ``deepspeed`` (DeepSpeed's: growth every 1000 clean steps, hysteresis 2,
+    minimum scale 1; replaces ``scaler``)."""
+    elementwise_optimizer: bool = False
+    """Accept an optimizer mixprec does not know to be element-wise (each rank steps a flat
+    slice of the parameters). Set it only when the update of every element uses only that
+    element's gradient and state."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's buffers before every forward."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero3Options(ZeroOptions):
+    """``backend: zero3``: + parameters sharded per unit, gathered around each unit's forward
+    and backward."""
+
+    units: Optional[Union[str, tuple[str, ...]]] = checked(
+        None, lambda v: not isinstance(v, str) or v.startswith("size:"),
+        "null, a list of module class names, or 'size:<min_params>'")
+    """Which modules are gathered together: a list of module class names (e.g.
+    ``[TransformerEncoderLayer]``; ``[]`` = the whole model is one unit), or
+    ``"size:<min_params>"`` (a unit per module holding at least that many parameters not
+    already in a smaller unit). null: ``"size:1000000"``."""
+    prefetch: bool = True
+    """Start gathering the next unit's parameters while the current unit computes."""
+    reshard_after_forward: bool = True
+    """Free a unit's gathered parameters after its forward (gathered again for backward).
+    false keeps them until backward: more memory, one gather less per step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPOptions(Zero3Options):
+    """``backend: fsdp``: zero3 with FSDP2's names. The dtype fields are FSDP2's
+    ``MixedPrecisionPolicy``; null follows ``mixed_precision``, a value that contradicts it
+    is an error."""
+
+    param_dtype: Optional[Dtype] = None
+    """Storage dtype of the gathered parameters (adopted when ``mixed_precision`` keeps the
+    model's own dtype)."""
+    reduce_dtype: Optional[Dtype] = None
+    """dtype gradients are reduced in (the sharding core reduces in fp32)."""
+    output_dtype: Optional[Dtype] = None
+    """dtype floating outputs of the model are cast to."""
+    cast_forward_inputs: Optional[bool] = None
+    """Cast floating inputs of the model to its parameter dtype."""
+
+
+# Backend name -> the block of options its engine takes (single takes none).
+BACKEND_BLOCKS: dict[str, type] = {
+    "ddp": DDPOptions,
+    "zero1": ZeroOptions,
+    "zero2": ZeroOptions,
+    "zero3": Zero3Options,
+    "fsdp": FSDPOptions,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixprecConfig:
+    """Everything a run is configured with. Each value comes from exactly one source:
+    its default, the config file, a ``MIXPREC_*`` environment variable, or an
+    ``Accelerator(...)`` argument (two sources with different values are an error)."""
+
+    backend: Backend = labelled("auto", "valid backends: ")
+    """Distribution backend: ``single``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp``;
+    ``auto`` is ddp when several processes run and single otherwise."""
+    mixed_precision: MixedPrecision = "no"
+    """Precision preset: ``no`` (fp32), ``bf16`` (fp32 masters, bf16 compute), ``fp16`` (+
+    dynamic loss scaling), ``bf16-pure`` (bf16 weights updated without fp32 masters; single
+    and ddp only)."""
+    gradient_accumulation_steps: int = checked(1, lambda v: v >= 1, "an int >= 1")
+    """Micro-batches per optimizer step; the loss is divided by it once."""
+    gradient_clipping: Optional[float] = checked(None, lambda v: v is None or _positive(v), "null or a number > 0")
+    """Clip the global gradient norm (L2) to this value before every real optimizer step,
+    unless ``accelerator.clip_grad_norm_`` was called for that step. null: no automatic
+    clipping."""
+    max_consecutive_overflows: Optional[int] = checked(20, _at_least_one, "null or an int >= 1")
+    """fp16: stop with an error after this many optimizer steps in a row skipped for
+    overflow (the loss scale cannot recover). null: never stop."""
+    param_dtype: Optional[Dtype] = None
+    """Store trainable parameters in this dtype (bf16/fp16) with fp32 masters. null keeps
+    the model's own dtype."""
+    keep_fp32_modules: tuple[str, ...] = ()
+    """Module class names or dotted module paths that run in fp32 (autocast off, fp32
+    parameters), e.g. ``[LayerNorm, head]``."""
+    scaler: ScalerConfig = field(default_factory=ScalerConfig)
+    """fp16 dynamic loss scaling (ignored by bf16 and fp32)."""
+    cpu: bool = False
+    """Run on the CPU even when CUDA is available."""
+    fused_optimizer: bool = True
+    """Step Adam, AdamW and SGD with mixprec's fused kernels when eligible."""
+    step_scheduler_with_optimizer: bool = True
+    """Prepared LR schedulers step once per real optimizer step."""
+    log_policy: bool = True
+    """Print the resolved precision policy at the first ``prepare()``."""
+    split_batches: bool = False
+    """Prepared dataloaders split each batch across processes instead of giving each
+    process its own batches."""
+    even_batches: bool = True
+    """Every process gets the same number of batches (the last are completed from the
+    start of the dataset)."""
+    data_seed: Optional[int] = None
+    """Seed of the shuffling shared by all processes. null: drawn on rank 0."""
+    ddp: DDPOptions = field(default_factory=DDPOptions)
+    """Options of ``backend: ddp``."""
+    zero1: ZeroOptions = field(default_factory=ZeroOptions)
+    """Options of ``backend: zero1``."""
+    zero2: ZeroOptions = field(default_factory=ZeroOptions)
+    """Options of ``backend: zero2``."""
+    zero3: Zero3Options = field(default_factory=Zero3Options)
+    """Options of ``backend: zero3``."""
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    """Options of ``backend: fsdp``."""

@@ -12,7 +12,8 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from .accelerator import Accelerator
 from .checkpoint.rotation import ProjectConfiguration
-from .errors import MixprecError, UnscaledBackwardError
+from .diagnostics import doctor
+from .errors import MixprecDtypeError, MixprecError, OverflowStormError, UnscaledBackwardError
 from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
@@ -20,7 +21,9 @@ from .step import StepResult
 __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
+    "MixprecDtypeError",
     "MixprecError",
+    "OverflowStormError",
     "ParityReport",
     "ParityTolerance",
     "PrecisionPolicy",
@@ -30,6 +33,7 @@ __all__ = [
     "UnscaledBackwardError",
     "__version__",
     "build_info",
+    "doctor",
     "parity_check",
 ]
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .data.sharding import shard_dataloader
+from .diagnostics.overflow import OverflowWatch, check_overflow_budget
 from .distributed import collectives
 from .distributed.state import DistributedState, destroy_distributed, init_distributed
 from .checkpoint.rotation import ProjectConfiguration, resolve_project_configuration
@@ -73,6 +74,10 @@ class Accelerator:
         project_dir: folder of the run (shortcut for ``project_config.project_dir``).
         project_config: :class:`mixprec.checkpoint.ProjectConfiguration`: checkpoint
             naming, rotation (``total_limit``) and the collective-call timeout.
+        max_consecutive_overflows: fp16 only: after this many optimizer steps in a row
+            skipped for overflow, ``optimizer.step()`` raises
+            :class:`mixprec.OverflowStormError` naming the module whose output or gradient
+            overflowed (int >= 1, default 20; None never stops).
     """
 
     def __init__(
@@ -97,11 +102,13 @@ class Accelerator:
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         project_dir: Optional[str] = None,
         project_config: Optional[ProjectConfiguration] = None,
+        max_consecutive_overflows: Optional[int] = 20,
     ) -> None:
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(
                 f"gradient_accumulation_steps={gradient_accumulation_steps!r} must be an int >= 1"
             )
+        check_overflow_budget(max_consecutive_overflows)
         self.policy = _resolve_policy(
             mixed_precision, policy, param_dtype=param_dtype,
             keep_fp32_modules=tuple(keep_fp32_modules), scaler=scaler,
@@ -129,6 +136,7 @@ class Accelerator:
         self.project_configuration = resolve_project_configuration(project_dir, project_config)
         self._checkpoint_objects: list[Any] = []  # registered with register_for_checkpointing
         self._call_check = CallCheck(self.project_configuration.collective_timeout_s)
+        self.max_consecutive_overflows = max_consecutive_overflows  # see OverflowWatch
 
     # ------------------------------------------------------------------ info
     @property
@@ -217,6 +225,12 @@ class Accelerator:
             return optimizer
         state = self.engine.prepare_optimizer(optimizer)
         prepared = PreparedOptimizer(optimizer, self.engine, state, self.gradient_state)
+        if self.engine.scaler is not None and self.max_consecutive_overflows is not None:
+            # The watch holds the scaler, not this Accelerator: no reference cycle keeps the
+            # engine (and its process group) alive (see [Note: no reference cycles]).
+            watch = OverflowWatch(self.max_consecutive_overflows, self._models, self.state,
+                                  self.engine.scaler.scale_value)
+            prepared.post_step_hooks.append(watch.after_step)
         self._optimizers.append(prepared)
         return prepared
 

@@ -101,6 +101,22 @@ def _fixes(where: FailingModule, params: dict, buffers: dict, inputs: dict,
     return fixes
 
 
+def _fp32_region(root: nn.Module, path: str) -> Optional[str]:
+    """The path of the innermost keep_fp32 module holding ``path`` (None: not in one)."""
+    parts = path.split(".") if path else []
+    found = None
+    module = root
+    for depth in range(len(parts) + 1):
+        if depth:
+            module = getattr(module, parts[depth - 1], None)
+            if module is None:
+                break
+        ctx = getattr(module, "_mixprec_ctx", None)
+        if ctx is not None and ctx.fp32_region:
+            found = ".".join(parts[:depth])
+    return found
+
+
 def explain_dtype_error(
     error: BaseException,
     root: Optional[nn.Module],
@@ -127,7 +143,12 @@ def explain_dtype_error(
     floating_inputs = {n: t for n, t in where.inputs.items() if t.is_floating_point()}
     inputs = {n: t.dtype for n, t in floating_inputs.items()}
     shapes = {n: tuple(t.shape) for n, t in floating_inputs.items()}
-    active = f"autocast {dtype_name(autocast_dtype)} on" if autocast_dtype is not None else "autocast off"
+    region = _fp32_region(root, where.path)
+    if region is not None:
+        autocast_dtype = None  # keep_fp32 regions run with autocast off
+        active = f"inside keep_fp32 module {region or '<root>'!r}: autocast off, fp32 inputs"
+    else:
+        active = f"autocast {dtype_name(autocast_dtype)} on" if autocast_dtype is not None else "autocast off"
     fixes = _fixes(where, params, buffers, inputs, policy, autocast_dtype, str(error))
     lines = [
         f"dtype error in module {where.display} during forward: {error}",

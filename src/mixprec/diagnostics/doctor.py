@@ -261,7 +261,7 @@ def _contains(outer: str, inner: str) -> bool:
 
 def _probe_findings(probes: ModuleProbes, policy: PrecisionPolicy) -> list[Finding]:
     """Modules where non-finite values start: outputs that are non-finite (or, fp16, above
-    65504) although their inputs were finite, not counting the modules around one already
+    65504) although their inputs were not, not counting the modules around one already
     listed; gradients only when every output was finite (the first in backward order)."""
     fp16 = policy.compute_dtype == torch.float16 or policy.param_dtype == torch.float16
     records = probes.records()
@@ -270,7 +270,8 @@ def _probe_findings(probes: ModuleProbes, policy: PrecisionPolicy) -> list[Findi
     listed: list[str] = []
     for r in (r for r in records if r.kind == "output"):
         bad = r.nonfinite > 0 or (fp16 and r.max_abs > FP16_MAX)
-        if not bad or r.input_nonfinite or any(_contains(r.module, inner) for inner in listed):
+        inherited = r.input_nonfinite > 0 or (fp16 and r.input_max_abs > FP16_MAX)
+        if not bad or inherited or any(_contains(r.module, inner) for inner in listed):
             continue
         listed.append(r.module)
         out.append(Finding("nonfinite_output", "warning", r.module, r.describe(),

@@ -145,20 +145,15 @@ class ModuleProbes:
         return out
 
 
-def first_culprit(records: list[TensorStat], limit: Optional[float] = FP16_MAX) -> Optional[TensorStat]:
-    """The record that explains an overflow: the first output (forward order) with non-finite
-    values, else the first output above ``limit`` (None: no limit), else the first non-finite
-    output gradient (backward order)."""
-    outputs = [r for r in records if r.kind == "output"]
-    grads = [r for r in records if r.kind == "grad"]
-    for r in outputs:
-        if r.nonfinite:
+def first_culprit(records: list[TensorStat], limit: float = FP16_MAX) -> Optional[TensorStat]:
+    """The record that explains an fp16 overflow: the first module output (forward order,
+    innermost first) that is non-finite or above ``limit`` (an fp32 output above 65504
+    overflows when the next fp16 op casts it), else the first non-finite output gradient
+    (backward order). None when every record is finite and in range."""
+    for r in records:
+        if r.kind == "output" and (r.nonfinite or r.max_abs > limit):
             return r
-    if limit is not None:
-        for r in outputs:
-            if r.max_abs > limit:
-                return r
-    for r in grads:
-        if r.nonfinite:
+    for r in records:
+        if r.kind == "grad" and r.nonfinite:
             return r
     return None

@@ -90,7 +90,7 @@ class DoctorReport:
 
 
 # ------------------------------------------------------------------ static checks
-def _param_findings(model: nn.Module) -> list[Finding]:
+def _param_findings(model: nn.Module, policy: PrecisionPolicy) -> list[Finding]:
     counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
@@ -100,7 +100,8 @@ def _param_findings(model: nn.Module) -> list[Finding]:
     dominant = max(counts, key=counts.get)
     out = []
     for path, module in model.named_modules():
-        own = {n: p.dtype for n, p in module.named_parameters(recurse=False) if p.is_floating_point()}
+        own = {n: p.dtype for n, p in module.named_parameters(recurse=False)
+               if p.is_floating_point()}
         kinds = set(own.values())
         if not own or kinds == {dominant}:
             continue
@@ -109,14 +110,21 @@ def _param_findings(model: nn.Module) -> list[Finding]:
         if len(kinds) > 1:
             what = f"module {where} has parameters in several dtypes: {listed}"
         else:
-            what = f"module {where} stores {dtype_name(next(iter(kinds)))} parameters ({listed}) while the model is {dtype_name(dominant)}"
+            what = (f"module {where} stores {dtype_name(next(iter(kinds)))} parameters ({listed}) "
+                    f"while the model is {dtype_name(dominant)}")
+        if policy.param_dtype is not None:
+            then = (f"prepare() stores trainable parameters in {dtype_name(policy.param_dtype)} "
+                    "(frozen ones keep their dtype)")
+        else:
+            then = "prepare() keeps these dtypes and adds fp32 masters for low-precision ones"
         out.append(Finding(
             "mixed_param_dtypes", "warning", path,
-            f"{what}. An op that meets them outside autocast raises a dtype error (e.g. 'mat1 and "
-            "mat2 must have the same dtype'); low-precision ones get fp32 masters at prepare().",
+            f"{what}. An op that meets them outside autocast raises a dtype error (e.g. 'mat1 "
+            f"and mat2 must have the same dtype'); {then}.",
             "remove the manual .half()/.to(dtype) on these parameters and let the policy cast "
             "storage (param_dtype=...), or keep the module in fp32 with keep_fp32_modules",
-            {"dtypes": {n: dtype_name(d) for n, d in own.items()}, "model_dtype": dtype_name(dominant)},
+            {"dtypes": {n: dtype_name(d) for n, d in own.items()},
+             "model_dtype": dtype_name(dominant)},
         ))
     return out
 
@@ -127,16 +135,18 @@ def _buffer_findings(model: nn.Module, policy: PrecisionPolicy) -> list[Finding]
         return []  # nothing is low precision: buffers meet fp32 everywhere
     out = []
     for path, module in model.named_modules():
-        own = {n: b.dtype for n, b in module.named_buffers(recurse=False) if b.is_floating_point()}
+        own = {n: b.dtype for n, b in module.named_buffers(recurse=False)
+               if b.is_floating_point()}
         if not own:
             continue
         listed = ", ".join(f"{n}={dtype_name(d)}" for n, d in own.items())
         where = f"{path or '<root>'!r} ({type(module).__name__})"
-        if isinstance(module, nn.modules.batchnorm._NormBase):
+        norm = isinstance(module, nn.modules.batchnorm._NormBase)
+        if norm:
             meaning = (
                 "the running statistics keep this dtype whatever the activations' dtype "
-                f"(batch_norm accepts {dtype_name(low)} inputs with fp32 statistics): intended, the "
-                "statistics stay accurate; do not cast them by hand"
+                f"(batch_norm accepts {dtype_name(low)} inputs with fp32 statistics): intended, "
+                "the statistics stay accurate; do not cast them by hand"
             )
         else:
             meaning = (
@@ -144,13 +154,13 @@ def _buffer_findings(model: nn.Module, policy: PrecisionPolicy) -> list[Finding]
                 "raise a dtype error or promote to fp32"
             )
         if policy.param_dtype in LOW_PRECISION:
-            meaning += f"; parameters are stored in {dtype_name(policy.param_dtype)} but these are not"
+            meaning += (f"; parameters are stored in {dtype_name(policy.param_dtype)} but these "
+                        "are not")
         out.append(Finding(
             "uncast_buffers", "info", path,
             f"module {where}: floating buffer(s) {listed} are not cast by "
             f"mixed_precision={policy.name!r} (only trainable parameters are): {meaning}.",
-            "" if isinstance(module, nn.modules.batchnorm._NormBase)
-            else "cast them where they are used (buf.to(x.dtype)) or keep the module in fp32",
+            "" if norm else "cast them where used (buf.to(x.dtype)) or keep the module in fp32",
             {"dtypes": {n: dtype_name(d) for n, d in own.items()}},
         ))
     return out
@@ -225,14 +235,16 @@ def _error_finding(error: BaseException, model: nn.Module, phase: str) -> Findin
                    {"type": type(error).__name__, "phase": phase})
 
 
-def _op_findings(recorder: OpRecorder, policy: PrecisionPolicy, device: torch.device) -> list[Finding]:
+def _op_findings(recorder: OpRecorder, policy: PrecisionPolicy,
+                 device: torch.device) -> list[Finding]:
     if not policy.autocast_enabled:
         return []
     low = dtype_name(policy.compute_dtype)
     out = []
     for use in recorder.ops.values():
         if use.no_kernel:
-            where = f" (first called in {use.module!r})" if use.module is not None else f" ({use.phase})"
+            where = (f" (first called in {use.module!r})" if use.module is not None
+                     else f" ({use.phase})")
             fix = (f"keep_fp32_modules=[{use.module!r}] if you cast inputs yourself" if use.module
                    else "leave its inputs in fp32")
             out.append(Finding(
@@ -331,10 +343,12 @@ def doctor(
             f"doctor() got a {type(model).__name__} that accelerator.prepare() already wrapped; "
             "run doctor on the model before prepare()"
         )
-    policy = PrecisionPolicy.from_mixed_precision(mixed_precision, keep_fp32_modules=tuple(keep_fp32_modules))
+    policy = PrecisionPolicy.from_mixed_precision(
+        mixed_precision, keep_fp32_modules=tuple(keep_fp32_modules)
+    )
     dev = _pick_device(device, cpu=False)
     check_device_supports(dev, policy)
-    findings = _param_findings(model) + _buffer_findings(model, policy)
+    findings = _param_findings(model, policy) + _buffer_findings(model, policy)
 
     work = copy.deepcopy(model)
     with _quiet_prepare():

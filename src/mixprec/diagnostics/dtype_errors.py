@@ -59,7 +59,8 @@ def _fmt(dtypes: dict[str, torch.dtype], shapes: Optional[dict[str, tuple]] = No
 
 
 def _fixes(where: FailingModule, params: dict, buffers: dict, inputs: dict,
-           policy: PrecisionPolicy, autocast_dtype: Optional[torch.dtype], message: str) -> list[str]:
+           policy: PrecisionPolicy, autocast_dtype: Optional[torch.dtype],
+           message: str) -> list[str]:
     path = where.path
     keep = path if path else type(where.module).__name__
     fixes: list[str] = []
@@ -148,7 +149,8 @@ def explain_dtype_error(
         autocast_dtype = None  # keep_fp32 regions run with autocast off
         active = f"inside keep_fp32 module {region or '<root>'!r}: autocast off, fp32 inputs"
     else:
-        active = f"autocast {dtype_name(autocast_dtype)} on" if autocast_dtype is not None else "autocast off"
+        active = ("autocast off" if autocast_dtype is None
+                  else f"autocast {dtype_name(autocast_dtype)} on")
     fixes = _fixes(where, params, buffers, inputs, policy, autocast_dtype, str(error))
     lines = [
         f"dtype error in module {where.display} during forward: {error}",

@@ -28,7 +28,7 @@ class FailingModule:
 
     path: str  # dotted name in the root ("" is the root itself)
     module: nn.Module
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # frame locals (not params/buffers)
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # frame locals, not params
 
     @property
     def display(self) -> str:

@@ -30,7 +30,9 @@ _DATA_MOVEMENT = frozenset({
     "_unsafe_view",
 })
 _NO_LOWP_KERNEL = re.compile(
-    r"not implemented for '(BFloat16|Half)'|Low precision dtypes not supported|Unsupported dtype (BFloat16|Half)"
+    r"not implemented for '(BFloat16|Half)'"
+    r"|Low precision dtypes not supported"
+    r"|Unsupported dtype (BFloat16|Half)"
 )
 
 

@@ -55,8 +55,11 @@ class OverflowReport:
             "those of the last good step."
         ]
         if self.culprit is not None:
-            where = "output" if self.culprit.kind == "output" else "output gradient (first in backward order)"
-            lines.append(f"First module with a non-finite/overflowing {where}: {self.culprit.display}")
+            where = ("output" if self.culprit.kind == "output"
+                     else "output gradient (first in backward order)")
+            lines.append(
+                f"First module with a non-finite/overflowing {where}: {self.culprit.display}"
+            )
             lines.append(f"  {self.culprit.describe()}")
             if self.world_size > 1:
                 lines.append(f"  seen on rank(s) {list(self.ranks)} of {self.world_size}")
@@ -66,7 +69,9 @@ class OverflowReport:
                 "overflow happens outside the modules (the loss, or a custom autograd function)."
             )
         else:
-            lines.append("No module was probed (max_consecutive_overflows=1 stops before a probed step).")
+            lines.append(
+                "No module was probed (max_consecutive_overflows=1 stops before a probed step)."
+            )
         scales = " -> ".join("-" if s is None else f"{s:g}" for s in self.loss_scales)
         now = "-" if self.current_scale is None else f"{self.current_scale:g}"
         lines.append(f"Loss scale of the skipped steps: {scales} (now {now})")
@@ -97,7 +102,9 @@ def _fixes(culprit: Optional[TensorStat], budget: int) -> tuple[str, ...]:
 
 def check_overflow_budget(budget: Optional[int]) -> None:
     """Raise a ValueError naming ``budget`` unless it is None or an int >= 1."""
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(
             f"max_consecutive_overflows={budget!r} must be an int >= 1, or None to never stop "
             "on repeated fp16 overflows"

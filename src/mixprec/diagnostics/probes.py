@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 from ..policy import dtype_name
 
 FP16_MAX = 65504.0  # largest finite float16
+_MAX_RECORDS = 100_000  # an armed model left running (e.g. an eval loop) stops recording here
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,11 @@ def _measure(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, i
         t = t.detach()
         finite = torch.isfinite(t)
         counts.append((~finite).sum())
-        maxima.append(torch.where(finite, t.abs(), torch.zeros((), dtype=t.dtype, device=t.device)).max().float())
+        zero = torch.zeros((), dtype=t.dtype, device=t.device)
+        maxima.append(torch.where(finite, t.abs(), zero).max().float())
     dtype = "/".join(sorted({dtype_name(t.dtype) for t in tensors}))
-    return torch.stack(counts).sum(), torch.stack(maxima).max(), sum(t.numel() for t in tensors), dtype
+    numel = sum(t.numel() for t in tensors)
+    return torch.stack(counts).sum(), torch.stack(maxima).max(), numel, dtype
 
 
 class ModuleProbes:
@@ -83,7 +86,8 @@ class ModuleProbes:
     def __init__(self, quiet: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.quiet = quiet  # context the measurements run in (doctor: not recorded as model ops)
         self._handles: list = []  # hook handles while armed
-        self._pending: list[tuple] = []  # (path, type, kind, dtype, numel, count, max, in_count, in_max)
+        # (path, type, kind, dtype, numel, count, max, input count, input max), in order
+        self._pending: list[tuple] = []
 
     @property
     def armed(self) -> bool:
@@ -98,7 +102,8 @@ class ModuleProbes:
             prefix = f"model{i}." if i else ""
             for name, module in model.named_modules():
                 path = (prefix + name) if name else prefix.rstrip(".")
-                self._handles.append(module.register_forward_hook(self._make_hook(path, type(module).__name__)))
+                hook = self._make_hook(path, type(module).__name__)
+                self._handles.append(module.register_forward_hook(hook))
 
     def disarm(self) -> None:
         """Remove every hook and forget what was recorded."""
@@ -110,13 +115,15 @@ class ModuleProbes:
     def _make_hook(self, path: str, module_type: str):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             outs = _floating(output)
-            if not outs:
+            if not outs or len(self._pending) >= _MAX_RECORDS:
                 return
             ins = _floating(args)
             with self.quiet():
                 count, amax, numel, dtype = _measure(outs)
                 in_count, in_amax = (_measure(ins)[:2] if ins else (None, None))
-            self._pending.append((path, module_type, "output", dtype, numel, count, amax, in_count, in_amax))
+            self._pending.append(
+                (path, module_type, "output", dtype, numel, count, amax, in_count, in_amax)
+            )
             grads_of = [t for t in outs if t.requires_grad]
             if grads_of and torch.is_grad_enabled():
                 for t in grads_of:
@@ -127,6 +134,8 @@ class ModuleProbes:
     def _make_grad_hook(self, path: str, module_type: str):
         def grad_hook(grad: torch.Tensor) -> None:
             if grad is None or not grad.is_floating_point() or grad.numel() == 0:
+                return
+            if len(self._pending) >= _MAX_RECORDS:
                 return
             with self.quiet():
                 count, amax, numel, dtype = _measure([grad])
@@ -140,7 +149,8 @@ class ModuleProbes:
         for path, mtype, kind, dtype, numel, count, amax, in_count, in_amax in self._pending:
             out.append(TensorStat(
                 path, mtype, kind, dtype, int(count), numel, float(amax),
-                0 if in_count is None else int(in_count), 0.0 if in_amax is None else float(in_amax),
+                0 if in_count is None else int(in_count),
+                0.0 if in_amax is None else float(in_amax),
             ))
         return out
 

@@ -120,6 +120,23 @@ def test_conv_bias_of_another_dtype_and_functional_call_in_own_forward():
     assert "keep_fp32_modules=['1']" in str(err)
 
 
+def test_missing_half_kernel_is_still_a_not_implemented_error_and_suggests_fp32():
+    class Distances(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.centers = nn.Parameter(torch.randn(3, 8))
+
+        def forward(self, x):
+            return torch.cdist(x.half(), self.centers.half())  # no fp16 cdist on the CPU
+
+    model = nn.Sequential(nn.Linear(8, 8), Distances())
+    err = _error(Accelerator(cpu=True, log_policy=False), model, torch.randn(2, 8))
+    assert isinstance(err, NotImplementedError) and isinstance(err, MixprecDtypeError)
+    assert err.module_path == "1" and "not implemented for 'Half'" in err.original
+    assert "no Half kernel on this device" in str(err) and "keep_fp32_modules=['1']" in str(err)
+    assert "mixed_precision='bf16'" in str(err)
+
+
 def test_inside_a_keep_fp32_region_the_path_is_the_full_path():
     acc = Accelerator(mixed_precision="bf16", cpu=True, log_policy=False,
                       keep_fp32_modules=("encoder.layers.1",))

@@ -34,6 +34,11 @@ _DTYPE_MESSAGE = re.compile(
 _NO_KERNEL = re.compile(r"not implemented for '(Half|BFloat16)'")
 
 
+class _MixprecDtypeNotImplemented(MixprecDtypeError, NotImplementedError):
+    """A MixprecDtypeError for a missing kernel: ``except NotImplementedError`` (what torch
+    raised) keeps working."""
+
+
 def is_dtype_error(error: BaseException) -> bool:
     """True for the RuntimeErrors torch raises when tensors of different dtypes meet (or an op
     has no kernel for a dtype)."""
@@ -161,7 +166,10 @@ def explain_dtype_error(
         "Suggested fix:",
         *(f"  - {fix}" for fix in fixes),
     ]
-    return MixprecDtypeError(
+    cls = MixprecDtypeError
+    if isinstance(error, NotImplementedError):
+        cls = _MixprecDtypeNotImplemented
+    return cls(
         "\n".join(lines), module_path=where.path, module_type=type(module).__name__,
         param_dtypes=params, buffer_dtypes=buffers, input_dtypes=inputs,
         policy=policy.describe(), fixes=tuple(fixes), original=str(error),

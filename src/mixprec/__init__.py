@@ -13,7 +13,8 @@ from . import _C
 from .accelerator import Accelerator
 from .checkpoint.rotation import ProjectConfiguration
 from .config import ConfigError, MixprecConfig
-from .errors import MixprecError, UnscaledBackwardError
+from .diagnostics import doctor
+from .errors import MixprecDtypeError, MixprecError, OverflowStormError, UnscaledBackwardError
 from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
@@ -23,7 +24,9 @@ __all__ = [
     "Accelerator",
     "ConfigError",
     "MixprecConfig",
+    "MixprecDtypeError",
     "MixprecError",
+    "OverflowStormError",
     "ParityReport",
     "ParityTolerance",
     "PrecisionPolicy",
@@ -33,6 +36,7 @@ __all__ = [
     "UnscaledBackwardError",
     "__version__",
     "build_info",
+    "doctor",
     "parity_check",
 ]
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .data.sharding import shard_dataloader
+from .diagnostics.overflow import OverflowWatch, check_overflow_budget
 from .distributed import collectives
 from .distributed.state import DistributedState, destroy_distributed, init_distributed
 from .checkpoint.rotation import ProjectConfiguration, resolve_project_configuration
@@ -95,12 +96,14 @@ class Accelerator:
         data_seed: seed of the shuffling shared by all processes (None: drawn on rank 0).
         gradient_clipping: clip the gradient norm to this before every real optimizer step
             unless :meth:`clip_grad_norm_` was called for that step (None: off).
-        max_consecutive_overflows: fp16: raise after this many overflow-skipped steps in a
-            row (default 20; None disables).
         timeout: collective timeout of the process group this Accelerator initialises.
         project_dir: folder of the run (shortcut for ``project_config.project_dir``).
         project_config: :class:`mixprec.checkpoint.ProjectConfiguration`: checkpoint
             naming, rotation (``total_limit``) and the collective-call timeout.
+        max_consecutive_overflows: fp16 only: after this many optimizer steps in a row
+            skipped for overflow, ``optimizer.step()`` raises
+            :class:`mixprec.OverflowStormError` naming the module whose output or gradient
+            overflowed (int >= 1, default 20; None never stops).
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class Accelerator:
         self.gradient_clipping: Optional[float] = cfg.gradient_clipping
         # fp16: consecutive overflow-skipped steps tolerated before raising (None: never).
         self.max_consecutive_overflows: Optional[int] = cfg.max_consecutive_overflows
+        check_overflow_budget(self.max_consecutive_overflows)
         self._log_policy = cfg.log_policy
         self._policy_logged = False
         self._autocast_gate = AutocastGate()
@@ -280,6 +284,12 @@ class Accelerator:
         prepared = PreparedOptimizer(optimizer, self.engine, state, self.gradient_state)
         if self.gradient_clipping is not None:
             prepared.pre_step_hooks.append(self._auto_clip)
+        if self.engine.scaler is not None and self.max_consecutive_overflows is not None:
+            # The watch holds the scaler, not this Accelerator: no reference cycle keeps the
+            # engine (and its process group) alive (see [Note: no reference cycles]).
+            watch = OverflowWatch(self.max_consecutive_overflows, self._models, self.state,
+                                  self.engine.scaler.scale_value)
+            prepared.post_step_hooks.append(watch.after_step)
         self._optimizers.append(prepared)
         return prepared
 

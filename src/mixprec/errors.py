@@ -11,3 +11,40 @@ class MixprecError(RuntimeError):
 
 class UnscaledBackwardError(MixprecError):
     """fp16 gradients were produced by a backward that never went through the loss scaler."""
+
+
+class MixprecDtypeError(MixprecError):
+    """A dtype error raised inside a prepared model's forward, re-raised naming the module.
+
+    It is a ``RuntimeError`` (like the torch error it wraps, kept as ``__cause__``), so an
+    existing ``except RuntimeError`` still catches it. Attributes: ``module_path`` (dotted
+    name in the prepared model, ``""`` for the root), ``module_type``, ``param_dtypes`` and
+    ``buffer_dtypes`` (name -> dtype), ``input_dtypes`` (local name -> dtype), ``policy``
+    (the active policy's one-line description), ``fixes`` (suggestions, most likely first)
+    and ``original`` (the torch message).
+    """
+
+    def __init__(self, message: str, *, module_path: str = "", module_type: str = "",
+                 param_dtypes: dict | None = None, buffer_dtypes: dict | None = None,
+                 input_dtypes: dict | None = None, policy: str = "", fixes: tuple = (),
+                 original: str = "") -> None:
+        super().__init__(message)
+        self.module_path = module_path
+        self.module_type = module_type
+        self.param_dtypes = dict(param_dtypes or {})
+        self.buffer_dtypes = dict(buffer_dtypes or {})
+        self.input_dtypes = dict(input_dtypes or {})
+        self.policy = policy
+        self.fixes = tuple(fixes)
+        self.original = original
+
+
+class OverflowStormError(MixprecError):
+    """fp16 overflowed ``max_consecutive_overflows`` optimizer steps in a row: training was
+    stopped (every one of those steps was skipped, so the weights are those of the last good
+    step). ``report`` is a :class:`mixprec.diagnostics.OverflowReport` naming the first
+    module whose output or gradient became non-finite, and the fixes."""
+
+    def __init__(self, message: str, report=None) -> None:
+        super().__init__(message)
+        self.report = report

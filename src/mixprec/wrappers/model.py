@@ -8,6 +8,10 @@ does it: the instance's class becomes a subclass that overrides ``forward``. The
 override wraps the original forward in one ``with`` block, so an exception inside
 forward can never leave autocast switched on (forward hooks cannot promise that),
 and no attribute of the user's object is monkey-patched. ``restore_class`` undoes it.
+
+The same ``with`` block turns a dtype error raised anywhere inside forward into a
+:class:`~mixprec.errors.MixprecDtypeError` naming the module, its dtypes and the policy
+(see mixprec/diagnostics/locate.py); a ``try`` costs nothing when nothing is raised.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..diagnostics.dtype_errors import explain_dtype_error
 from ..policy import PrecisionPolicy
 from ..utils import cast_floating, upcast_low_precision
 
@@ -87,11 +92,26 @@ class ForwardContext:
             and not torch.is_autocast_enabled(self.device_type)
             and not self.gate.blocked()
         )
-        if open_autocast:
-            with torch.autocast(self.device_type, dtype=self.policy.compute_dtype):
+        try:
+            if open_autocast:
+                with torch.autocast(self.device_type, dtype=self.policy.compute_dtype):
+                    out = forward(*args, **kwargs)
+            else:
                 out = forward(*args, **kwargs)
-        else:
-            out = forward(*args, **kwargs)
+        except RuntimeError as error:
+            # A keep_fp32 region (fp32_region above) lets its errors reach the model's own
+            # context, which names the module by its path in the whole model.
+            if open_autocast:
+                autocast_dtype: Optional[torch.dtype] = self.policy.compute_dtype
+            elif torch.is_autocast_enabled(self.device_type):
+                autocast_dtype = torch.get_autocast_dtype(self.device_type)
+            else:
+                autocast_dtype = None
+            root = getattr(forward, "__self__", None)
+            explained = explain_dtype_error(error, root, self.policy, autocast_dtype)
+            if explained is None:
+                raise
+            raise explained from error
         if self.policy.output_dtype is not None:
             out = upcast_low_precision(out, self.policy.output_dtype)
         return out

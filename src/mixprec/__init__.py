@@ -15,6 +15,7 @@ from .checkpoint.rotation import ProjectConfiguration
 from .config import ConfigError, MixprecConfig
 from .diagnostics import doctor
 from .errors import MixprecDtypeError, MixprecError, OverflowStormError, UnscaledBackwardError
+from .notebook import NotebookLaunchError, notebook_launcher
 from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
@@ -26,6 +27,7 @@ __all__ = [
     "MixprecConfig",
     "MixprecDtypeError",
     "MixprecError",
+    "NotebookLaunchError",
     "OverflowStormError",
     "ParityReport",
     "ParityTolerance",
@@ -37,6 +39,7 @@ __all__ = [
     "__version__",
     "build_info",
     "doctor",
+    "notebook_launcher",
     "parity_check",
 ]
 

@@ -218,7 +218,10 @@ for name, curve in losses.items():
     diff = max(abs(a - b) for a, b in zip(curve, losses["single"]))
     print(f"{name:8} {curve[0]:8.4f} {curve[-1]:8.4f} {diff:22.2e}")
     assert curve[-1] < 0.5 * curve[0], (name, curve)
-    assert abs(curve[-1] - losses["single"][-1]) < 0.05 * losses["single"][-1], name
+    assert diff < 5e-3, (name, diff)            # bf16 rounding of a different batch split
+# The distributed backends compute the same global step: they agree to fp32 rounding.
+for name in ("zero2", "zero3", "fsdp"):
+    assert max(abs(a - b) for a, b in zip(losses[name], losses["ddp"])) < 1e-5, name
 """),
     md("""
 Outside a notebook the backend comes from the command line or a config file, e.g.
@@ -440,7 +443,7 @@ accelerator.end_training()
 
 for step, (a, b) in enumerate(zip(reference, resumed), start=20):
     print(f"step {step}: zero2x2 {a:.6f}  single (resumed) {b:.6f}  rel diff {abs(a - b) / a:.1e}")
-assert all(abs(a - b) <= 2e-2 * a for a, b in zip(reference, resumed))
+assert all(abs(a - b) <= 2e-3 * a for a, b in zip(reference, resumed))   # bf16 rounding
 """),
 ]
 

@@ -15,7 +15,8 @@ frequencies f up to 1, i.e. phases up to ~200 radians. bf16 keeps 8 significant 
 radian and sin/cos of it are off by up to 0.5 (fp16: 0.05) - the model could not tell
 nearby timesteps apart. The module is therefore listed in
 ``keep_fp32_modules``: mixprec runs it with autocast off and hands it fp32 inputs, whatever
-the policy, while the MLP around it runs in bf16/fp16. Timesteps enter the model as integer
+the policy, while the MLP around it runs in bf16/fp16 (without it, the matmul that forms
+the phases would run in bf16). Timesteps enter the model as integer
 tensors, which mixprec never casts at the model boundary.
 """
 
@@ -45,7 +46,9 @@ class SinusoidalTimeEmbedding(nn.Module):
         self.register_buffer("freqs", freqs, persistent=False)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        phase = t.float()[:, None] * self.freqs[None, :]
+        # The phases as an outer product t x f. Written as a matmul, it is one of the ops
+        # autocast runs in bf16/fp16 - harmless here only because this module runs in fp32.
+        phase = t.float()[:, None] @ self.freqs[None, :]
         return torch.cat([phase.sin(), phase.cos()], dim=-1)
 
 

@@ -1,10 +1,12 @@
-"""The main example trains under `mixprec launch`: 2 processes, and 2 "nodes" on loopback."""
+"""The examples train under `mixprec launch`: the main one with 2 processes and on 2 "nodes"
+over loopback; digits_cnn, char_gpt and denoiser with 2 processes on zero2 in bf16."""
 
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from harness import free_port
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py")
@@ -42,3 +44,21 @@ def test_example_trains_on_two_nodes_over_loopback():
                 p.communicate()
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     _assert_trained(outs[0][0])
+
+
+# ----------------------------------------------------------------------------- new examples
+# tests/ is on sys.path (conftest.py); the quick settings are shared with the one-process runs.
+from test_examples import QUICK, assert_final, run_example  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(QUICK))
+def test_new_example_trains_on_zero2_bf16_with_two_processes(script, tmp_path):
+    out = run_example(script, "--backend", "zero2", "--mixed-precision", "bf16",
+                      "--output-dir", str(tmp_path / "ckpt"), launcher=("-m", "mixprec", "launch", "--nproc-per-node", "2"))
+    assert_final(out, "zero2", 2, "bf16")
+    assert (tmp_path / "ckpt").is_dir() and any((tmp_path / "ckpt").iterdir())
+    # rank-aware logging and the progress bar: the main process only
+    assert "[rank 0/2] INFO" in out.stderr and "[rank 1/2]" not in out.stderr
+    steps = QUICK[script][1]
+    assert out.stderr.count(f"| {steps}/{steps} [") >= 1

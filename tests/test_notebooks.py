@@ -52,6 +52,9 @@ def test_notebooks_are_current_and_have_no_outputs(tmp_path):
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
 def test_notebook_executes(name, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # ipykernel forwards the output of spawned processes (file descriptors 1 and 2) into the
+    # notebook, except when it sees this variable; the test checks that forwarding.
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(
         nb,
@@ -63,5 +66,8 @@ def test_notebook_executes(name, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError with the failing cell and its traceback
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+    if name.startswith("01"):  # the launched processes' logging reached the notebook
+        streamed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        assert "[rank 0/2] INFO quickstart: step 60" in streamed
     if name.startswith("03"):
         assert (tmp_path / "fp16_loss_scale.png").stat().st_size > 0

@@ -84,6 +84,8 @@ Everything that holds a process group - the `Accelerator`, the prepared model - 
 """),
     code("""
 def train(steps=60, mixed_precision="bf16", backend="auto"):
+    # A spawned process starts with logging unconfigured: configure it here (a no-op in the kernel).
+    logging.basicConfig(format=RANK_FORMAT, level=logging.INFO)
     accelerator = Accelerator(mixed_precision=mixed_precision, backend=backend, log_policy=False)
     torch.manual_seed(0)
     model = MLP()
@@ -120,7 +122,8 @@ assert single["final_loss"] < 0.2 * single["first_loss"], single
 `notebook_launcher` spawns the processes (each joins a Gloo process group on 127.0.0.1),
 sends them `train` - defined in this notebook: functions and classes of the notebook are
 sent by value - and returns every rank's return value, rank 0's first. Each process sees
-half of every epoch, so `"auto"` picks DDP.
+half of every epoch, so `"auto"` picks DDP. What the processes print or log appears below
+the cell.
 """),
     code("""
 results = notebook_launcher(train, args=(60,), num_processes=2)

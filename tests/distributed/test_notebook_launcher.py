@@ -16,6 +16,7 @@ import torch
 import mixprec
 from mixprec import NotebookLaunchError, notebook_launcher
 from mixprec import notebook as notebook_mod
+from mixprec import notebook_pickle
 
 CELL = '''
 import torch
@@ -106,8 +107,8 @@ def module_level_square(x):
 
 
 def test_notebook_functions_are_sent_by_value(cell):
-    assert notebook_mod._by_value(cell["train"]) and notebook_mod._by_value(cell["Tiny"])
-    assert not notebook_mod._by_value(module_level_square)
+    assert notebook_pickle.by_value(cell["train"]) and notebook_pickle.by_value(cell["Tiny"])
+    assert not notebook_pickle.by_value(module_level_square)
 
 
 def test_returns_every_ranks_value_and_trains_on_zero2(cell):

@@ -114,9 +114,11 @@ def main() -> None:
     model = CharGPT(len(chars), args.block_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     warmup = max(1, args.steps // 10)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
-    )
+
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine decay to 0
+        return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     # Each process draws its own windows (a different stream per rank) = data parallelism.

@@ -140,8 +140,8 @@ def _run_in_child(state, payload: bytes, backend: str, port: Optional[int], time
             os.environ["MASTER_PORT"] = str(port)
         device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         state = init_distributed(device, timeout=datetime.timedelta(seconds=timeout))
-    if backend == "nccl":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.world_size))
+    # The runner pins its ranks to one thread (right for tests); training gets a fair share.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.world_size))
     fn, args = pickle.loads(payload)
     try:
         return fn(*args)

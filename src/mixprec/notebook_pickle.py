@@ -78,7 +78,8 @@ def _make_function(code_bytes: bytes, name: str, n_cells: int) -> types.Function
 def _set_function_state(fn: types.FunctionType, state: tuple) -> types.FunctionType:
     referenced, defaults, kwdefaults, cells, qualname, attrs, doc, source = state
     if source is not None:  # so tracebacks in this process show the cell's lines
-        linecache.cache.setdefault(fn.__code__.co_filename, (sum(map(len, source)), None, source, fn.__code__.co_filename))
+        name = fn.__code__.co_filename
+        linecache.cache.setdefault(name, (sum(map(len, source)), None, source, name))
     for key, value in referenced.items():
         fn.__globals__.setdefault(key, value)
     fn.__defaults__ = defaults
@@ -144,7 +145,8 @@ class _NotebookPickler(pickle.Pickler):
         n_cells = len(fn.__closure__ or ())
         # Skeleton first, state after: the function is memoised before its globals are
         # pickled, so recursion (a function naming itself, a method's __class__ cell) works.
-        return _make_function, (marshal.dumps(fn.__code__), fn.__name__, n_cells), state, None, None, _set_function_state
+        skeleton = (marshal.dumps(fn.__code__), fn.__name__, n_cells)
+        return _make_function, skeleton, state, None, None, _set_function_state
 
     @staticmethod
     def _reduce_class(cls: type):

@@ -111,6 +111,7 @@ def test_notebook_functions_are_sent_by_value(cell):
     assert not notebook_pickle.by_value(module_level_square)
 
 
+@pytest.mark.slow
 def test_returns_every_ranks_value_and_trains_on_zero2(cell):
     results = notebook_launcher(cell["train"], args=("zero2", 3), num_processes=2)
     assert [r[:4] for r in results] == [(0, 2, "zero2", 13), (1, 2, "zero2", 13)]
@@ -120,8 +121,8 @@ def test_returns_every_ranks_value_and_trains_on_zero2(cell):
     assert not torch.equal(results[0][4], cell["Tiny"]().lin.weight.detach())
 
 
-def test_module_level_function_and_launching_twice_in_a_row(cell):
-    assert notebook_launcher(module_level_square, args=(7,), num_processes=2) == [49, 49]
+@pytest.mark.slow
+def test_launching_twice_in_a_row(cell):
     # the same cell run again: a fresh port and process group each time
     first = notebook_launcher(cell["train"], args=("ddp", 2), num_processes=2)
     second = notebook_launcher(cell["train"], args=("ddp", 2), num_processes=2)
@@ -188,8 +189,8 @@ def test_rank_aware_logging_in_launched_processes(cell):
     assert rank1.splitlines() == ["[rank 1/2] INFO nb-test: everyone", "[rank 1/2] WARNING nb-test: in turn"]
 
 
-def test_explicit_master_port(cell):
+def test_module_level_function_on_an_explicit_master_port():
     from mixprec.distributed.spawn import free_port
 
-    results = notebook_launcher(cell["train"], args=("ddp", 1), num_processes=2, master_port=free_port())
-    assert [r[0] for r in results] == [0, 1]
+    # pickled by reference (importable), and the group re-joined on the port asked for
+    assert notebook_launcher(module_level_square, args=(7,), num_processes=2, master_port=free_port()) == [49, 49]

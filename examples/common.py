@@ -15,7 +15,6 @@ otherwise.
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 from typing import Any
 
@@ -46,11 +45,6 @@ def make_accelerator(args: argparse.Namespace, **kwargs: Any) -> Accelerator:
     if args.steps < 1:
         raise SystemExit(f"--steps {args.steps} must be >= 1")
     if args.config is not None:
-        if "config" not in inspect.signature(Accelerator).parameters:
-            raise NotImplementedError(
-                "--config needs Accelerator(config=...), which this mixprec build does not have yet; "
-                "pass --backend and --mixed-precision instead"
-            )
         kwargs["config"] = args.config
     if args.backend is not None:
         kwargs["backend"] = args.backend

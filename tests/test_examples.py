@@ -5,7 +5,6 @@ The two-process runs (zero2, bf16) are in tests/distributed/test_example_runs.py
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import re
@@ -78,15 +77,21 @@ def test_denoiser_time_embedding_runs_in_fp32_under_bf16():
     assert (prepared_embedding() - exact).abs().max() > 0.1  # the same module under bf16 autocast
 
 
-@pytest.mark.skipif("config" in inspect.signature(Accelerator).parameters,
-                    reason="Accelerator(config=) exists: --config is passed through")
-def test_config_flag_names_the_missing_feature(tmp_path):
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("backend: single\n")
-    out = subprocess.run([sys.executable, str(EXAMPLES / "digits_cnn.py"), "--steps", "1", "--config", str(cfg)],
-                         capture_output=True, text=True, timeout=120)
+def test_config_file_decides_backend_and_precision(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("backend: single\nmixed_precision: fp16\n")
+    out = run_example("digits_cnn.py", "--config", str(cfg))
+    assert_final(out, "single", 1, "fp16")
+
+
+def test_config_file_and_a_conflicting_flag_are_an_error(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("mixed_precision: fp16\n")
+    cmd = [sys.executable, str(EXAMPLES / "digits_cnn.py"), "--steps", "1", "--config", str(cfg),
+           "--mixed-precision", "bf16"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert "NotImplementedError: --config needs Accelerator(config=...)" in out.stderr
+    assert "mixed_precision" in out.stderr and "fp16" in out.stderr and "bf16" in out.stderr
 
 
 class _Capture(logging.Handler):

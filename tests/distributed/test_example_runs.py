@@ -54,8 +54,11 @@ from test_examples import QUICK, assert_final, run_example  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(QUICK))
 def test_new_example_trains_on_zero2_bf16_with_two_processes(script, tmp_path):
-    out = run_example(script, "--backend", "zero2", "--mixed-precision", "bf16",
-                      "--output-dir", str(tmp_path / "ckpt"), launcher=("-m", "mixprec", "launch", "--nproc-per-node", "2"))
+    # Only the config changes between backends: the same script ran on `single` in test_examples.
+    config = tmp_path / "zero2.yaml"
+    config.write_text("backend: zero2\nmixed_precision: bf16\n")
+    out = run_example(script, "--config", str(config), "--output-dir", str(tmp_path / "ckpt"),
+                      launcher=("-m", "mixprec", "launch", "--nproc-per-node", "2"))
     assert_final(out, "zero2", 2, "bf16")
     assert (tmp_path / "ckpt").is_dir() and any((tmp_path / "ckpt").iterdir())
     # rank-aware logging and the progress bar: the main process only

@@ -4,8 +4,8 @@
 
 The notebooks are committed without outputs; keeping their sources here keeps them
 reviewable as plain Python. ``tests/test_notebooks.py`` executes every notebook.
-Cells tagged ``diagnosis`` (notebook 03) are the ones to extend when mixprec's overflow
-diagnostics land.
+Cells tagged ``diagnosis`` (notebook 03) show overflow diagnosis: by hand with forward
+hooks, then mixprec's ``OverflowStormError`` report.
 """
 
 from __future__ import annotations
@@ -360,6 +360,35 @@ culprit = first_nonfinite_module(model, x_all[:64])
 hook.remove()
 print("first module with a non-finite output:", culprit)
 assert culprit is not None and culprit[0] == "2"
+""", "diagnosis"),
+    md("""
+## When the scale cannot save the run: `OverflowStormError`
+
+A few skipped steps are normal. When a module overflows at every step, halving the scale
+never helps; mixprec stops after `max_consecutive_overflows` skipped steps in a row (default
+20, here 5) with an `OverflowStormError` whose report names the first module whose output
+(or output gradient) was not finite, and the fixes.
+"""),
+    code("""
+import mixprec
+
+torch.manual_seed(0)
+storm_model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+storm = Accelerator(mixed_precision="fp16", max_consecutive_overflows=5, log_policy=False)
+storm_opt = torch.optim.AdamW(storm_model.parameters(), lr=3e-3)
+storm_model, storm_opt = storm.prepare(storm_model, storm_opt)
+storm_model[2].register_forward_hook(lambda module, inputs, output: output * 1e6)   # overflows every step
+
+try:
+    for step in range(50):
+        loss = nn.functional.mse_loss(storm_model(x_all[:64]).float(), y_all[:64])
+        storm.backward(loss)
+        storm_opt.step()
+        storm_opt.zero_grad()
+except mixprec.OverflowStormError as e:
+    report = e.report
+    print(report)
+assert step == 4 and report.culprit.module == "2", (step, report)
 """, "diagnosis"),
 ]
 

@@ -126,6 +126,7 @@ class UnitRunner:
     order: list[Unit] = field(default_factory=list)  # forward order of the last forward
     _current: list[Unit] = field(default_factory=list)
     _callback_queued: bool = False
+    _handles: list = field(default_factory=list)  # module hook handles, removed by uninstall()
 
     def install(self) -> None:
         # [Note: no reference cycles]
@@ -139,8 +140,19 @@ class UnitRunner:
             module = unit.module()
             if unit.core is None or module is None:
                 continue
-            module.register_forward_pre_hook(lambda m, a, u=unit: runner().pre_forward(u))
-            module.register_forward_hook(lambda m, a, out, u=unit: runner().post_forward(u, out))
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: runner().pre_forward(u)))
+            self._handles.append(module.register_forward_hook(lambda m, a, out, u=unit: runner().post_forward(u, out)))
+
+    def uninstall(self) -> None:
+        """Remove the module hooks and drop the cores (end of training): the hooks' closures
+        hold the units, so without this the user's model would keep every core, and with it
+        the process group, alive."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for unit in self.units:
+            unit.core = None
+        self.order, self._current = [], []
 
     def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
         order = self.order

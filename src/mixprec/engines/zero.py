@@ -151,6 +151,15 @@ class ZeroEngine(Engine):
     def _all_cores(self) -> list[_C.ShardedCore]:
         return [c for cores in self.cores.values() for c in cores]
 
+    def release(self) -> None:
+        """Drop every sharding core (each holds the process group; its destructor removes
+        its gradient hooks). Called by ``Accelerator.end_training`` before the group is
+        destroyed; the engine cannot step afterwards."""
+        self.cores.clear()
+        self.core_params.clear()
+        self.core_of_param.clear()
+        self.cores_of_opt.clear()
+
     def _sync_buffers(self, model: nn.Module) -> None:
         buffers = list(model.buffers())
         if buffers and torch.is_grad_enabled():
@@ -472,6 +481,12 @@ class Zero3Engine(ZeroEngine):
         finally:
             for core in cores:
                 core.reshard()
+
+    def release(self) -> None:
+        for runner in self.runners.values():
+            runner.uninstall()
+        self.runners.clear()
+        super().release()
 
     def unit_names(self, model: nn.Module) -> list[str]:
         """Names of the units of ``model`` holding parameters ("" is the root)."""

@@ -100,9 +100,20 @@ def accelerate_available() -> str | None:
 
 
 def measure(precision: str = "bf16", *, dim: int = 256, layers: int = 4, batch: int = 16, steps: int = 8,
-            rounds: int = 9) -> dict:
+            rounds: int = 9, threads: int | None = None) -> dict:
     """Median step time of each contender (plain, plain_fused, mixprec[, accelerate]) in
-    this process, alternating; per-step losses of every contender on the same batches."""
+    this process, alternating; per-step losses of every contender on the same batches.
+    ``threads``: torch threads for the measurement (restored after; None: leave as is)."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _measure(precision, dim, layers, batch, steps, rounds)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _measure(precision: str, dim: int, layers: int, batch: int, steps: int, rounds: int) -> dict:
     base = tinylm(dim, layers, heads=4)
     contenders = [PlainLoop, PlainFusedLoop, MixprecLoop]
     if accelerate_available():

@@ -9,7 +9,9 @@ mixprec ``Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16)``, Dee
 sharded parameters are the fp32 masters). ``torch_ddp`` (in the model-size sweep) is torch
 DDP with fp32 parameters and bf16 autocast: torch has no bf16-storage + fp32-master mode.
 ZeRO-3/FSDP units: every ``TransformerEncoderLayer`` plus the root. Rounds alternate the
-contenders' order; medians of the slowest rank's step time are reported.
+contenders' order; medians of the slowest rank's step time are reported. ``fsdp`` is
+mixprec's FSDP2-named ZeRO-3 (same units), ``torch_ddp`` is there for the loss curves and
+the scaling tables.
 
 Per mixprec stage, from the tensors the engine holds (``engine.persistent_bytes()``) after
 training, persistent bytes per rank of parameters + gradients + optimizer state, against
@@ -47,9 +49,12 @@ from _common import alternate, lm_loss, n_params, package_version, round_batches
 
 from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
-MAIN = ["mixprec_ddp", "zero1", "zero2", "zero3", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3",
-        "torch_fsdp2"]
+MAIN = ["mixprec_ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed_zero1", "deepspeed_zero2",
+        "deepspeed_zero3", "torch_fsdp2", "torch_ddp"]
 SWEEP = ["mixprec_ddp", "torch_ddp", "zero2", "zero3", "deepspeed_zero3", "torch_fsdp2"]
+# One rank: mixprec's distributed backends need >= 2 processes, so its point is backend="single"
+# (same policy: bf16 params + fp32 masters); the peers run on a one-rank group.
+SINGLE_RANK = ["mixprec_single", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "torch_fsdp2", "torch_ddp"]
 UNITS = ["TransformerEncoderLayer"]
 BUCKET = {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1}
 
@@ -65,11 +70,11 @@ def memory_formula(stage: int, P: int, N: int) -> dict:
 def _mixprec(backend: str, base: nn.Module):
     from mixprec import Accelerator
 
-    opts = dict(BUCKET)
-    if backend == "zero3":
+    opts = dict(BUCKET) if backend != "single" else {}
+    if backend in ("zero3", "fsdp"):
         opts["units"] = UNITS
     acc = Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16, backend=backend, cpu=True,
-                      log_policy=False, engine_options=opts)
+                      log_policy=False, engine_options=opts or None)
     model = copy.deepcopy(base)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -149,8 +154,8 @@ def _torch_ddp(base: nn.Module):
 
 def _build(name: str, base: nn.Module, world: int, batch: int):
     """(step, mixprec accelerator or None) for one contender."""
-    if name in ("mixprec_ddp", "zero1", "zero2", "zero3"):
-        return _mixprec("ddp" if name == "mixprec_ddp" else name, base)
+    if name in ("mixprec_ddp", "mixprec_single", "zero1", "zero2", "zero3", "fsdp"):
+        return _mixprec(name.replace("mixprec_", ""), base)
     if name.startswith("deepspeed_zero"):
         return _deepspeed(int(name[-1]), base, batch)[0], None
     if name == "torch_fsdp2":
@@ -214,8 +219,22 @@ def _run_config(cfg: dict, world: int, rank: int) -> dict:
 def _bench(state, configs: list[dict]) -> list[dict] | None:
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    results = [_run_config(cfg, world, rank) for cfg in configs]
+    from mixprec.distributed.spawn import free_port
+
+    # World size 1: the runner makes no process group for a single rank; the sharded
+    # engines (and DeepSpeed, fully_shard) need one, so make a one-rank Gloo group.
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        results = [_run_config(cfg, world, rank) for cfg in configs]
+    finally:
+        if own_group:
+            import gc
+
+            gc.collect()  # engines hold the group: free them before destroying it
+            dist.destroy_process_group()
     return results if rank == 0 else None
 
 
@@ -224,7 +243,7 @@ def configs_for(dim: int, layers: int, batch: int, steps: int, rounds: int, swee
     """The main comparison (with memory and communication measured) and an optional
     model-size sweep with the SWEEP contenders, for one process group."""
     out = [dict(dim=dim, layers=layers, batch=batch, steps=steps, rounds=rounds, contenders=list(contenders),
-                measure=True)]
+                measure=any(c in contenders for c in ("zero1", "zero2", "zero3")))]
     for d, n in sweep:
         out.append(dict(dim=d, layers=n, batch=batch, steps=steps, rounds=rounds, contenders=list(SWEEP)))
     return out
@@ -233,6 +252,8 @@ def configs_for(dim: int, layers: int, batch: int, steps: int, rounds: int, swee
 def measure(world: int = 2, *, dim: int = 384, layers: int = 4, batch: int = 4, steps: int = 3, rounds: int = 4,
             sweep: list[tuple[int, int]] = (), contenders: list[str] = MAIN, timeout: float = 1800) -> list[dict]:
     """Run :func:`configs_for` on ``world`` local ranks; rank 0's results, one per config."""
+    if world == 1 and contenders is MAIN:
+        contenders = SINGLE_RANK
     cfgs = configs_for(dim, layers, batch, steps, rounds, sweep, contenders)
     return run_distributed(_bench, world, args=(cfgs,), timeout=timeout)[0]
 

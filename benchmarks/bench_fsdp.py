@@ -6,8 +6,8 @@ both. torch runs on an explicit CPU device mesh with SUM-only collectives
 (set_force_sum_reduction_for_comms: Gloo has no AVG reduce-scatter).
 
 Each contender runs in its own freshly spawned process group, so the peak resident set
-size of a rank (ru_maxrss) belongs to it alone: "peak RSS growth" is that peak minus the
-RSS measured just before the model is built (parameters, optimizer state, gradients,
+size of a rank belongs to it alone: "peak RSS growth" is the peak minus the RSS measured
+just before the model is built (parameters, optimizer state, gradients,
 gathered units, activations, allocator slack). The mixprec rows also report the largest
 amount of gathered (full) parameter memory seen at any unit boundary.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import resource
 import statistics
 import sys
 import time
@@ -52,6 +51,23 @@ CONTENDERS = {
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> None:
+    """Restart the peak-RSS mark (VmHWM) at the current RSS (Linux >= 4.0: clear_refs 5).
+
+    Not ``getrusage().ru_maxrss``: it survives fork+exec, so a rank spawned by a large
+    parent (run_all.py holds several models) would report the parent's peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux procfs")
 
 
 def _rank_main(state, name: str, args: dict) -> dict | None:
@@ -110,6 +126,8 @@ def _bench(rank: int, world: int, name: str, args: dict) -> dict:
     import torch.distributed.fsdp  # noqa: F401
 
     data = round_batches(args["rounds"] + 1, args["steps"], args["batch"], seed=100 + rank)
+    gc.collect()
+    _reset_peak_rss()
     rss0 = _rss_bytes()
     base = tinylm(args["dim"], args["layers"])
     n_params = sum(p.numel() for p in base.parameters())
@@ -133,7 +151,7 @@ def _bench(rank: int, world: int, name: str, args: dict) -> dict:
         elapsed = torch.tensor([(time.perf_counter() - start) / len(batches)], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0], dtype=torch.float64)
+    peak = torch.tensor([_peak_rss_bytes() - rss0], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"step_s": statistics.median(times), "peak_rss_growth": peak.item(), "params": n_params,
             "gathered_peak": gathered_peak[0] if engine is not None else None,

@@ -9,7 +9,8 @@ mixprec ``Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16)``, Dee
 sharded parameters are the fp32 masters). ``torch_ddp`` (in the model-size sweep) is torch
 DDP with fp32 parameters and bf16 autocast: torch has no bf16-storage + fp32-master mode.
 ZeRO-3/FSDP units: every ``TransformerEncoderLayer`` plus the root. Rounds alternate the
-contenders' order; medians of the slowest rank's step time are reported. ``fsdp`` is
+contenders' order; medians of the slowest rank's step time are reported. AdamW lr 1e-3
+for all (the loss curves of run_all.py come from this run). ``fsdp`` is
 mixprec's FSDP2-named ZeRO-3 (same units), ``torch_ddp`` is there for the loss curves and
 the scaling tables.
 
@@ -76,7 +77,7 @@ def _mixprec(backend: str, base: nn.Module):
     acc = Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16, backend=backend, cpu=True,
                       log_policy=False, engine_options=opts or None)
     model = copy.deepcopy(base)
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
     def step(ids, tgt):
         loss = lm_loss(model(ids), tgt)
@@ -97,7 +98,7 @@ def _deepspeed(stage: int, base: nn.Module, batch: int):
               "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
               "wall_clock_breakdown": False}
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                            config=config)
 
     def step(ids, tgt):
@@ -122,7 +123,7 @@ def _fsdp2(base: nn.Module, world: int):
             fully_shard(m, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     model.set_force_sum_reduction_for_comms(True)  # Gloo has no AVG reduce-scatter
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(ids, tgt):
         loss = lm_loss(model(ids), tgt)
@@ -138,7 +139,7 @@ def _torch_ddp(base: nn.Module):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(copy.deepcopy(base), bucket_cap_mb=25)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(ids, tgt):
         with torch.autocast("cpu", dtype=torch.bfloat16):

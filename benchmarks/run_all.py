@@ -33,7 +33,7 @@ from _common import load_average, machine_info, package_version  # noqa: E402
 FULL = {
     "single": dict(dim=256, layers=4, batch=16, steps=8, rounds=9, threads=1),
     "ddp": dict(dim=512, layers=6, batch=4, steps=3, rounds=6),
-    "zero": dict(dim=384, layers=4, batch=4, steps=3, rounds=5),
+    "zero": dict(dim=384, layers=4, batch=4, steps=3, rounds=4),
     "zero_sweep": [(192, 2), (512, 4)],  # with the main (384, 4): 1.0M, 7.3M, 12.9M params
     "fsdp": dict(dim=384, layers=4, batch=4, steps=3, rounds=4, repeats=3),
     "kernels": dict(quick=False, repeats=7),
@@ -139,20 +139,29 @@ def evaluate(res: dict) -> list[dict]:
                        f"{[round(x * 1e3) for x in fs[ref]['step_samples']]} ms; contenders run in separate "
                        "process groups, so load drift between samples weighs more: more --repeats")
         if m > 1.0:
-            why.append(f"more peak memory ({m:.3f}x): peak RSS includes activations and allocator slack; "
-                       "compare the gathered-parameter peak and free units earlier (reshard_after_forward)")
+            why.append(f"more peak memory ({m:.3f}x; samples {[round(x / 2**20) for x in fs[ours]['rss_samples']]} "
+                       f"vs {[round(x / 2**20) for x in fs[ref]['rss_samples']]} MiB): peak RSS counts activations "
+                       "and allocator slack as well as parameters, gradients and optimizer state; compare the "
+                       "gathered-parameter peak column, and free units earlier (reshard_after_forward=True) or "
+                       "release the fp32 gradient buckets sooner to close it")
         rows.append(dict(comparison=f"fsdp N=2: mixprec {ours} / torch {ref} (time; peak RSS growth)",
                          value=f"{t:.3f}; {m:.3f}", target="time < 1.0 and memory <= 1.0", met=ok,
                          note="; ".join(why)))
     for k in res["kernels"]:
         ok = k["speedup"] >= 1.4
+        note = ""
+        if not ok:
+            note = (f"The fused step moves 28 B/element against plain PyTorch's 42 B in three passes, so a "
+                    f"memory-bound fused step would be up to 1.5x faster; here it ran at "
+                    f"{k.get('fused_step_gbps', 0):.1f} GB/s while plain's passes ran at "
+                    f"{k.get('plain_step_gbps', 0):.1f} GB/s (memcpy {k['memcpy_gbps']:.1f} GB/s): at "
+                    f"{k['threads']} thread(s) the fused pass is bound by its per-element arithmetic (fp32 "
+                    "AdamW in torch's exact operation order, bf16 rounding), not by bytes. Closing it needs a "
+                    "cheaper inner loop (fewer divides/sqrts per element, wider SIMD), constrained by the "
+                    "bitwise parity with torch.optim that the kernel tests assert; or more threads.")
         rows.append(dict(
             comparison=f"kernels, {k['threads']} thread(s): fused step speed-up over plain PyTorch",
-            value=f"{k['speedup']:.2f}x", target=">= 1.4x", met=ok,
-            note="" if ok else ("The fused pass reads/writes 24 B per parameter against plain PyTorch's "
-                                "three passes; a speed-up under 1.4x means the passes were not memory-bound "
-                                f"here (memcpy {k['memcpy_gbps']:.1f} GB/s): check vectorisation of the "
-                                "kernel at this thread count and run on an idle machine.")))
+            value=f"{k['speedup']:.2f}x", target=">= 1.4x", met=ok, note=note))
     for world, runs in res["zero"].items():
         main = runs[0]
         for name, m in main["memory"].items():
@@ -473,7 +482,7 @@ def write_plots(res: dict, out: Path) -> None:
         ax.tick_params(labelsize=7)
         ax.set_xlabel("ms per step", fontsize=7)
     fig.suptitle("Step time (blue: mixprec, gray: peers)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(out / "step_time.png", dpi=110)
     plt.close(fig)
 
@@ -493,17 +502,18 @@ def write_plots(res: dict, out: Path) -> None:
         ax.set_ylabel("MiB per rank", fontsize=8)
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Persistent params + grads + optimizer state per rank", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(out / "memory.png", dpi=110)
     plt.close(fig)
 
     # loss curves
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     dist_losses = res["zero"]["2"][0]["losses"] if "2" in res["zero"] else {}
-    for ax, (title, losses) in zip(axes, (("N=2, all distributed backends (rank 0's loss)", dist_losses),
+    for ax, (title, losses) in zip(axes, (("N=2, every distributed backend (rank 0's loss)", dist_losses),
                                           ("single process", res["single"]["losses"]))):
-        for k, v in losses.items():
-            ax.plot(range(1, len(v) + 1), v, label=k, lw=1)
+        styles = ["-", "--", ":", "-."]
+        for i, (k, v) in enumerate(losses.items()):
+            ax.plot(range(1, len(v) + 1), v, label=k, lw=1, ls=styles[i % len(styles)])
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("loss", fontsize=8)
@@ -544,7 +554,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: tiny sizes, 1-2 repeats (needs --out: never overwrites the committed RESULTS.md)")
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: benchmarks/, full run only)")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="measure nothing: re-render RESULTS.md and the plots from a results.json of a full run")
     args = ap.parse_args(argv)
+    if args.from_json is not None:
+        res = json.loads(args.from_json.read_text())
+        out = args.out or args.from_json.parent
+        write_report(res, res["machine"], out, res.get("command", "python benchmarks/run_all.py"),
+                     res.get("quick", False))
+        write_plots(res, out)
+        log(f"re-rendered {out / 'RESULTS.md'} and {len(PLOTS)} plots from {args.from_json}")
+        return 0
     if args.out is None:
         if args.quick:
             ap.error("--quick writes a smoke report, not a measurement: pass --out DIR (the committed "
@@ -557,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     res = measure_all(QUICK if args.quick else FULL)
     res["machine"] = info
+    res["command"], res["quick"] = command, args.quick
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     write_report(res, info, args.out, command, args.quick)
     write_plots(res, args.out)

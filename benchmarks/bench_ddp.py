@@ -1,9 +1,14 @@
-"""mixprec's C++ DDP engine vs torch DistributedDataParallel: 2 processes, Gloo, bf16.
+"""mixprec's C++ DDP engine vs torch DistributedDataParallel and Accelerate's DDP (Gloo, bf16).
 
-Both contenders train the same ~20M-parameter transformer from the same weights on the
-same data, with the same bucket size (25 MiB, first bucket 1 MiB); rounds alternate
-A/B and medians are reported. Also prints the bytes mixprec all-reduced per step,
-which must equal the gradient size in the reduce dtype (fp32).
+All contenders train the same TinyLM (examples/train_transformer.py) from the same weights
+on the same data (each rank its own batches), with the same bucket size (25 MiB, first
+bucket 1 MiB for mixprec); rounds alternate the contenders' order and medians of the
+slowest rank's step time are reported. Contenders: ``torch_ddp`` (torch DDP + autocast +
+AdamW), ``torch_ddp_fused_adamw`` (the same with torch's fused CPU AdamW), ``mixprec_ddp``
+and ``accelerate_ddp`` (Accelerate's own multi-CPU DDP path: its Accelerator finds the
+process group already made and wraps the model in torch DDP). Also prints the bytes
+mixprec all-reduced per step, which must equal the gradient size in the reduce dtype (fp32).
+``measure()`` is what benchmarks/run_all.py calls.
 
     python benchmarks/bench_ddp.py            # ~2-3 min on 2 cores
     python benchmarks/bench_ddp.py --quick    # smoke run
@@ -12,41 +17,55 @@ which must equal the gradient size in the reduce dtype (fp32).
 from __future__ import annotations
 
 import argparse
-import statistics
+import copy
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import alternate, lm_loss, n_params, package_version, round_batches, stats, tinylm  # noqa: E402
 
 from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
 
-def _bench_rank(state, args) -> None:
-    _bench(state.rank, args)
+def _accelerate_ddp(base):
+    """(step, None) with Accelerate's DDP, or (None, reason) when it does not run here."""
+    if package_version("accelerate") is None:
+        return None, "accelerate is not installed"
+    try:
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        acc = Accelerator(mixed_precision="bf16", cpu=True)
+        if acc.num_processes != torch.distributed.get_world_size():
+            return None, (f"Accelerate saw {acc.num_processes} process(es), not "
+                          f"{torch.distributed.get_world_size()} (distributed_type {acc.distributed_type})")
+        model = copy.deepcopy(base)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    except Exception as e:  # noqa: BLE001 - reported in RESULTS.md
+        return None, f"{type(e).__name__}: {e}"
+
+    def step(ids, tgt):
+        loss = lm_loss(model(ids), tgt)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step, f"accelerate {package_version('accelerate')}, {acc.distributed_type}, model {type(model).__name__}"
 
 
-def _bench(rank: int, args) -> None:
+def _bench(state, args: dict) -> dict | None:
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from mixprec import Accelerator
-    from train_transformer import TinyLM
 
-    vocab, seq = 256, 64
-    torch.manual_seed(0)
-    base = TinyLM(vocab, dim=args.dim, heads=8, layers=args.layers, seq=seq)
-    n_params = sum(p.numel() for p in base.parameters())
-    loss_fn = nn.CrossEntropyLoss()
-    g = torch.Generator().manual_seed(rank)
-    data = [(torch.randint(0, vocab, (args.batch, seq), generator=g),
-             torch.randint(0, vocab, (args.batch, seq), generator=g)) for _ in range(args.steps)]
-
-    import copy
-
+    rank = dist.get_rank()
+    base = tinylm(args["dim"], args["layers"])
     torch_model = DDP(copy.deepcopy(base), bucket_cap_mb=25)
     torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4)
     # A second torch baseline with torch's own fused CPU AdamW, so the comparison is not
@@ -62,51 +81,64 @@ def _bench(rank: int, args) -> None:
         def step(ids, tgt):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(ids)
-            loss = loss_fn(logits.float().flatten(0, 1), tgt.flatten())
+            loss = lm_loss(logits, tgt)
             loss.backward()
             opt.step()
             opt.zero_grad()
+            return loss
         return step
 
     def mixprec_step(ids, tgt):
-        logits = ours(ids)
-        loss = loss_fn(logits.flatten(0, 1), tgt.flatten())
+        loss = lm_loss(ours(ids), tgt)
         acc.backward(loss)
         our_opt.step()
         our_opt.zero_grad()
+        return loss
 
     contenders = {
         "torch_ddp": make_torch_step(torch_model, torch_opt),
         "torch_ddp_fused_adamw": make_torch_step(fused_model, fused_opt),
         "mixprec_ddp": mixprec_step,
     }
-    for fn in contenders.values():  # warm-up
-        fn(*data[0])
-    times = {k: [] for k in contenders}
-    names = list(contenders)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            for ids, tgt in data:
-                contenders[name](ids, tgt)
-            elapsed = torch.tensor([(time.perf_counter() - start) / len(data)])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank ends
-            times[name].append(elapsed.item())
-    if rank == 0:
-        med = {k: statistics.median(v) for k, v in times.items()}
-        grad_bytes = sum(p.numel() for p in ours.parameters()) * 4
-        reduced = acc.engine.bytes_reduced_last_backward()
-        print(f"DDP, {dist.get_world_size()} processes x {torch.get_num_threads()} thread(s), Gloo, "
-              f"bf16 autocast, TinyLM {n_params / 1e6:.1f}M params, batch {args.batch}x{seq} per rank, "
-              f"{args.rounds} rounds x {args.steps} steps, bucket 25 MiB")
-        for k, v in med.items():
-            print(f"  {k:<22} median step {v * 1e3:9.1f} ms  (min {min(times[k]) * 1e3:.1f}, max {max(times[k]) * 1e3:.1f})")
-        for base_name in ("torch_ddp", "torch_ddp_fused_adamw"):
+    accel_step, accel_note = _accelerate_ddp(base)
+    if accel_step is not None:
+        contenders["accelerate_ddp"] = accel_step
+    data = round_batches(args["rounds"] + 1, args["steps"], args["batch"], seed=100 + rank)
+    times, losses = alternate(contenders, data[1:], data[0][:2], distributed=True)
+    if rank != 0:
+        return None
+    return {"world": dist.get_world_size(), "params": n_params(base), "batch": args["batch"],
+            "steps": args["steps"], "rounds": args["rounds"], "threads": torch.get_num_threads(),
+            "contenders": {k: stats(v) for k, v in times.items()}, "losses": losses,
+            "accelerate_ddp": accel_note if accel_step is not None else None,
+            "accelerate_ddp_error": None if accel_step is not None else accel_note,
+            "bytes_reduced_per_step": acc.engine.bytes_reduced_last_backward(),
+            "fp32_grad_bytes": 4 * n_params(base)}
+
+
+def measure(world: int = 2, *, dim: int = 512, layers: int = 6, batch: int = 4, steps: int = 3,
+            rounds: int = 6, timeout: float = 1800) -> dict:
+    """Run the comparison on ``world`` local ranks (mixprec's process runner); rank 0's result."""
+    args = dict(dim=dim, layers=layers, batch=batch, steps=steps, rounds=rounds)
+    return run_distributed(_bench, world, args=(args,), timeout=timeout)[0]
+
+
+def report(res: dict) -> None:
+    med = {k: v["median"] for k, v in res["contenders"].items()}
+    print(f"DDP, {res['world']} processes x {res['threads']} thread(s), Gloo, bf16 autocast, "
+          f"TinyLM {res['params'] / 1e6:.1f}M params, batch {res['batch']}x64 per rank, "
+          f"{res['rounds']} rounds x {res['steps']} steps, bucket 25 MiB")
+    for k, st in res["contenders"].items():
+        print(f"  {k:<22} median step {st['median'] * 1e3:9.1f} ms  (min {st['min'] * 1e3:.1f}, max {st['max'] * 1e3:.1f})")
+    for base_name in ("torch_ddp", "torch_ddp_fused_adamw", "accelerate_ddp"):
+        if base_name in med:
             ratio = med["mixprec_ddp"] / med[base_name]
             print(f"  ratio mixprec_ddp/{base_name} = {ratio:.3f}  (target <= 1.0: {'met' if ratio <= 1.0 else 'MISSED'})")
-        print(f"  bytes all-reduced per step: {reduced:,} (fp32 gradient size {grad_bytes:,}: "
-              f"{'equal' if reduced == grad_bytes else 'DIFFERENT'})")
+    if res["accelerate_ddp_error"]:
+        print(f"  Accelerate DDP did not run: {res['accelerate_ddp_error']}")
+    reduced, grad_bytes = res["bytes_reduced_per_step"], res["fp32_grad_bytes"]
+    print(f"  bytes all-reduced per step: {reduced:,} (fp32 gradient size {grad_bytes:,}: "
+          f"{'equal' if reduced == grad_bytes else 'DIFFERENT'})")
 
 
 def main() -> None:
@@ -121,8 +153,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.dim, args.layers, args.steps, args.rounds = 64, 1, 2, 2
-    # mixprec's own local process runner (one thread per rank, Gloo on 127.0.0.1).
-    run_distributed(_bench_rank, args.world_size, args=(args,), timeout=3600)
+    report(measure(args.world_size, dim=args.dim, layers=args.layers, batch=args.batch,
+                   steps=args.steps, rounds=args.rounds))
 
 
 if __name__ == "__main__":

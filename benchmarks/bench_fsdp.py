@@ -6,33 +6,38 @@ both. torch runs on an explicit CPU device mesh with SUM-only collectives
 (set_force_sum_reduction_for_comms: Gloo has no AVG reduce-scatter).
 
 Each contender runs in its own freshly spawned process group, so the peak resident set
-size of a rank (ru_maxrss) belongs to it alone: "peak RSS growth" is that peak minus the
-RSS measured just before the model is built (parameters, optimizer state, gradients,
+size of a rank belongs to it alone: "peak RSS growth" is the peak minus the RSS measured
+just before the model is built (parameters, optimizer state, gradients,
 gathered units, activations, allocator slack). The mixprec rows also report the largest
 amount of gathered (full) parameter memory seen at any unit boundary.
+
+A/B alternation: one sample = one process group per contender; ``repeats`` samples are
+taken with the contenders' order alternating (A B C, C B A, ...), and the medians over
+samples of each sample's median step time and of its peak RSS growth are reported.
+``measure()`` is what benchmarks/run_all.py calls.
+
+    python benchmarks/bench_fsdp.py            # ~2 min on 2 cores
+    python benchmarks/bench_fsdp.py --quick    # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import copy
-import json
 import os
-import resource
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import lm_loss, round_batches, tinylm  # noqa: E402
+
+from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
 CONTENDERS = {
     "fsdp": ("mixprec", {"backend": "fsdp", "reshard_after_forward": True}),
@@ -43,39 +48,36 @@ CONTENDERS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _rank_main(rank: int, world: int, port: int, name: str, args, out: str) -> None:
-    import faulthandler
-    faulthandler.enable()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = _bench(rank, world, name, args)
-        gc.collect()  # free the engine (and its hold on the process group) before leaving it
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-        if os.environ.get("BENCH_TRACE"):
-            print(f"rank {rank} benchmarked", flush=True)
-    finally:
-        dist.destroy_process_group()
-    if os.environ.get("BENCH_TRACE"):
-        print(f"rank {rank} left the process group", flush=True)
+def _reset_peak_rss() -> None:
+    """Restart the peak-RSS mark (VmHWM) at the current RSS (Linux >= 4.0: clear_refs 5).
+
+    Not ``getrusage().ru_maxrss``: it survives fork+exec, so a rank spawned by a large
+    parent (run_all.py holds several models) would report the parent's peak."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status: peak RSS needs Linux procfs")
+
+
+def _rank_main(state, name: str, args: dict) -> dict | None:
+    result = _bench(dist.get_rank(), dist.get_world_size(), name, args)
+    gc.collect()  # free the engine (and its hold on the process group) before leaving it
+    return result if dist.get_rank() == 0 else None
 
 
 def _build(kind: str, opts: dict, base: nn.Module, world: int):
     """(step function, mixprec engine or None) for one contender."""
-    loss_fn = nn.CrossEntropyLoss()
     units = ["TransformerEncoderLayer"]
     if kind == "mixprec":
         from mixprec import Accelerator
@@ -89,9 +91,11 @@ def _build(kind: str, opts: dict, base: nn.Module, world: int):
         model, opt = acc.prepare(base, torch.optim.AdamW(base.parameters(), lr=1e-4))
 
         def step(ids, tgt):
-            acc.backward(loss_fn(model(ids).flatten(0, 1), tgt.flatten()))
+            loss = lm_loss(model(ids), tgt)
+            acc.backward(loss)
             opt.step()
             opt.zero_grad()
+            return loss
 
         return step, acc.engine, model
     from torch.distributed.device_mesh import init_device_mesh
@@ -108,25 +112,24 @@ def _build(kind: str, opts: dict, base: nn.Module, world: int):
     def step(ids, tgt):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = base(ids)
-        loss_fn(logits.float().flatten(0, 1), tgt.flatten()).backward()
+        loss = lm_loss(logits, tgt)
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
 
     return step, None, base
 
 
-def _bench(rank: int, world: int, name: str, args) -> dict:
+def _bench(rank: int, world: int, name: str, args: dict) -> dict:
     import mixprec  # noqa: F401  (loaded before the RSS baseline, like torch's FSDP below)
     import torch.distributed.fsdp  # noqa: F401
-    from train_transformer import TinyLM
 
-    vocab, seq = 256, 64
-    g = torch.Generator().manual_seed(rank)
-    data = [(torch.randint(0, vocab, (args.batch, seq), generator=g),
-             torch.randint(0, vocab, (args.batch, seq), generator=g)) for _ in range(args.steps)]
+    data = round_batches(args["rounds"] + 1, args["steps"], args["batch"], seed=100 + rank)
+    gc.collect()
+    _reset_peak_rss()
     rss0 = _rss_bytes()
-    torch.manual_seed(0)
-    base = TinyLM(vocab, dim=args.dim, heads=8, layers=args.layers, seq=seq)
+    base = tinylm(args["dim"], args["layers"])
     n_params = sum(p.numel() for p in base.parameters())
     kind, opts = CONTENDERS[name]
     step, engine, model = _build(kind, opts, base, world)
@@ -138,49 +141,54 @@ def _bench(rank: int, world: int, name: str, args) -> dict:
             if type(m).__name__ == "TransformerEncoderLayer":
                 m.register_forward_hook(sample)
                 m.register_full_backward_hook(sample)
-    for ids, tgt in data[:2]:  # warm-up
-        step(ids, tgt)
+    losses = [step(ids, tgt).item() for ids, tgt in data[0][:2]]  # warm-up
     times = []
-    for _ in range(args.rounds):
+    for batches in data[1:]:
         dist.barrier()
         start = time.perf_counter()
-        for ids, tgt in data:
-            step(ids, tgt)
-        elapsed = torch.tensor([(time.perf_counter() - start) / len(data)])
+        for ids, tgt in batches:
+            losses.append(step(ids, tgt).detach())
+        elapsed = torch.tensor([(time.perf_counter() - start) / len(batches)], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0], dtype=torch.float64)
+    peak = torch.tensor([_peak_rss_bytes() - rss0], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {"step_s": statistics.median(times), "peak_rss_growth": peak.item(), "params": n_params,
             "gathered_peak": gathered_peak[0] if engine is not None else None,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "losses": [float(v) for v in losses]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), default=list(CONTENDERS))
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    if args.quick:
-        args.dim, args.layers, args.steps, args.rounds = 64, 2, 2, 2
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only:
-            out = os.path.join(tmp, f"{name}.json")
-            mp.spawn(_rank_main, args=(args.world_size, _free_port(), name, args, out),
-                     nprocs=args.world_size, join=True)
-            results[name] = json.loads(Path(out).read_text())
-    first = next(iter(results.values()))
-    P = first["params"]
-    print(f"FSDP, {args.world_size} processes x {first['threads']} thread(s), Gloo, bf16 autocast, fp32 params, "
+def measure(world: int = 2, *, dim: int = 384, layers: int = 4, batch: int = 4, steps: int = 3, rounds: int = 4,
+            repeats: int = 3, only: list[str] = tuple(CONTENDERS), timeout: float = 1800) -> dict:
+    """``repeats`` samples per contender (one fresh process group each, order alternating);
+    per contender the medians over samples, the samples, and the first sample's losses."""
+    args = dict(dim=dim, layers=layers, batch=batch, steps=steps, rounds=rounds)
+    names = list(only)
+    samples: dict[str, list[dict]] = {k: [] for k in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            samples[name].append(run_distributed(_rank_main, world, args=(name, args), timeout=timeout)[0])
+    out = {"world": world, "dim": dim, "layers": layers, "batch": batch, "steps": steps, "rounds": rounds,
+           "repeats": repeats, "contenders": {}}
+    for name, runs in samples.items():
+        out["params"] = runs[0]["params"]
+        out["threads"] = runs[0]["threads"]
+        steps_s = [x["step_s"] for x in runs]
+        out["contenders"][name] = {
+            "step_s": statistics.median(steps_s), "step_samples": steps_s,
+            "peak_rss_growth": statistics.median(x["peak_rss_growth"] for x in runs),
+            "rss_samples": [x["peak_rss_growth"] for x in runs],
+            "gathered_peak": runs[0]["gathered_peak"], "losses": runs[0]["losses"]}
+    return out
+
+
+def report(res: dict) -> None:
+    P = res["params"]
+    print(f"FSDP, {res['world']} processes x {res['threads']} thread(s), Gloo, bf16 autocast, fp32 params, "
           f"AdamW, TinyLM {P / 1e6:.1f}M params ({4 * P / 2**20:.1f} MiB fp32), units: TransformerEncoderLayer "
-          f"+ root, batch {args.batch}x64 per rank, {args.rounds} rounds x {args.steps} steps")
+          f"+ root, batch {res['batch']}x64 per rank, {res['rounds']} rounds x {res['steps']} steps, "
+          f"{res['repeats']} alternating samples")
+    results = res["contenders"]
     for name, r in results.items():
         ref = "torch_fsdp2_keep" if name.endswith("_keep") else "torch_fsdp2"
         line = (f"  {name:<17} median step {r['step_s'] * 1e3:8.1f} ms  "
@@ -191,6 +199,24 @@ def main() -> None:
         if r["gathered_peak"] is not None:
             line += f"  gathered params peak {r['gathered_peak'] / 2**20:.1f} MiB"
         print(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--only", nargs="*", choices=list(CONTENDERS), default=list(CONTENDERS))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.dim, args.layers, args.steps, args.rounds, args.repeats = 64, 2, 2, 2, 1
+    report(measure(args.world_size, dim=args.dim, layers=args.layers, batch=args.batch, steps=args.steps,
+                   rounds=args.rounds, repeats=args.repeats, only=args.only))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Single-process step overhead: mixprec vs a plain PyTorch loop (and vs Accelerate).
 
 Same model, precision, optimizer and data for every contender; contenders are run in
-alternation (A/B/C, A/B/C, ...) in one process and the median step time of each is
+alternation (A/B/C, C/B/A, ...) in one process and the median step time of each is
 reported, with the ratio to the plain-PyTorch loop. Targets: mixprec/plain <= 1.03,
-mixprec/accelerate <= 1.0.
+mixprec/accelerate <= 1.0. ``measure()`` is what benchmarks/run_all.py calls.
 
     python benchmarks/bench_single.py                 # bf16 and no, ~2 min
     python benchmarks/bench_single.py --quick         # smoke run
@@ -16,28 +16,17 @@ import argparse
 import contextlib
 import copy
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_transformer import TinyLM  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import alternate, lm_loss, n_params, package_version, round_batches, stats, tinylm  # noqa: E402
 
 import mixprec  # noqa: E402
 
 AUTOCAST = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def make_data(steps, batch, seq, vocab):
-    g = torch.Generator().manual_seed(0)
-    return [
-        (torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g))
-        for _ in range(steps)
-    ]
 
 
 class PlainLoop:
@@ -50,17 +39,18 @@ class PlainLoop:
         self.dtype = AUTOCAST[precision]
         self.scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
 
-    def step(self, ids, target, loss_fn):
+    def step(self, ids, target):
         ctx = torch.autocast("cpu", dtype=self.dtype) if self.dtype else contextlib.nullcontext()
         with ctx:
             logits = self.model(ids)
-        loss = loss_fn(logits.float().flatten(0, 1), target.flatten())
+        loss = lm_loss(logits, target)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.opt)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.scaler.step(self.opt)
         self.scaler.update()
         self.opt.zero_grad()
+        return loss
 
 
 class PlainFusedLoop(PlainLoop):
@@ -78,13 +68,13 @@ class MixprecLoop:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         self.model, self.opt = self.acc.prepare(model, opt)
 
-    def step(self, ids, target, loss_fn):
-        logits = self.model(ids)
-        loss = loss_fn(logits.flatten(0, 1), target.flatten())
+    def step(self, ids, target):
+        loss = lm_loss(self.model(ids), target)
         self.acc.backward(loss)
         self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad()
+        return loss
 
 
 class AccelerateLoop:
@@ -106,49 +96,49 @@ class AccelerateLoop:
 
 
 def accelerate_available() -> str | None:
+    return package_version("accelerate")
+
+
+def measure(precision: str = "bf16", *, dim: int = 256, layers: int = 4, batch: int = 16, steps: int = 8,
+            rounds: int = 9, threads: int | None = None) -> dict:
+    """Median step time of each contender (plain, plain_fused, mixprec[, accelerate]) in
+    this process, alternating; per-step losses of every contender on the same batches.
+    ``threads``: torch threads for the measurement (restored after; None: leave as is)."""
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     try:
-        import accelerate
-
-        return accelerate.__version__
-    except ImportError:
-        return None
+        return _measure(precision, dim, layers, batch, steps, rounds)
+    finally:
+        torch.set_num_threads(previous)
 
 
-def bench(precision, args):
-    torch.manual_seed(0)
-    vocab, seq = 256, 64
-    base = TinyLM(vocab, dim=args.dim, heads=4, layers=args.layers, seq=seq)
-    n_params = sum(p.numel() for p in base.parameters())
+def _measure(precision: str, dim: int, layers: int, batch: int, steps: int, rounds: int) -> dict:
+    base = tinylm(dim, layers, heads=4)
     contenders = [PlainLoop, PlainFusedLoop, MixprecLoop]
     if accelerate_available():
         contenders.append(AccelerateLoop)
-    loops = [cls(copy.deepcopy(base), precision) for cls in contenders]
-    data = make_data(args.steps, args.batch, seq, vocab)
-    loss_fn = nn.CrossEntropyLoss()
-    for loop in loops:  # warm-up
-        for ids, t in data[:2]:
-            loop.step(ids, t, loss_fn)
-    times = {loop.name: [] for loop in loops}
-    for r in range(args.rounds):
-        order = loops if r % 2 == 0 else loops[::-1]  # alternate who goes first
-        for loop in order:
-            start = time.perf_counter()
-            for ids, t in data:
-                loop.step(ids, t, loss_fn)
-            times[loop.name].append((time.perf_counter() - start) / len(data))
-    med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\n[{precision}] TinyLM {n_params / 1e6:.2f}M params, batch {args.batch}x{seq}, "
-          f"{args.rounds} rounds x {args.steps} steps, AdamW + clip_grad_norm_")
-    for name, t in med.items():
-        spread = (max(times[name]) - min(times[name])) / t
-        print(f"  {name:<11} median step {t * 1e3:8.2f} ms  (spread {spread:5.1%})")
+    loops = {cls.name: cls(copy.deepcopy(base), precision) for cls in contenders}
+    data = round_batches(rounds + 1, steps, batch, seed=0)
+    times, losses = alternate({k: v.step for k, v in loops.items()}, data[1:], data[0][:2])
+    return {"precision": precision, "params": n_params(base), "batch": batch, "steps": steps,
+            "rounds": rounds, "threads": torch.get_num_threads(),
+            "contenders": {k: stats(v) for k, v in times.items()}, "losses": losses,
+            "accelerate": accelerate_available() or "not installed"}
+
+
+def report(res: dict) -> None:
+    med = {k: v["median"] for k, v in res["contenders"].items()}
+    print(f"\n[{res['precision']}] TinyLM {res['params'] / 1e6:.2f}M params, batch {res['batch']}x64, "
+          f"{res['rounds']} rounds x {res['steps']} steps, AdamW + clip_grad_norm_")
+    for name, st in res["contenders"].items():
+        print(f"  {name:<11} median step {st['median'] * 1e3:8.2f} ms  (spread {st['spread']:5.1%})")
     for base in ("plain", "plain_fused"):
         ratio = med["mixprec"] / med[base]
         print(f"  ratio mixprec/{base:<11} = {ratio:.3f}  (target <= 1.03: {'met' if ratio <= 1.03 else 'MISSED'})")
     if "accelerate" in med:
         r2 = med["mixprec"] / med["accelerate"]
         print(f"  ratio mixprec/accelerate  = {r2:.3f}  (target <= 1.00: {'met' if r2 <= 1.0 else 'MISSED'})")
-    return med
 
 
 def main() -> None:
@@ -170,7 +160,8 @@ def main() -> None:
           f"accelerate {accelerate_available() or 'not installed'}, threads {torch.get_num_threads()}, "
           f"{platform.machine()}")
     for precision in args.precisions.split(","):
-        bench(precision.strip(), args)
+        report(measure(precision.strip(), dim=args.dim, layers=args.layers, batch=args.batch,
+                       steps=args.steps, rounds=args.rounds))
 
 
 if __name__ == "__main__":

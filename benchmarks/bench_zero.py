@@ -1,16 +1,37 @@
-"""ZeRO-1/2 step time vs mixprec DDP and torch FSDP2 (fully_shard), bytes and memory.
+"""ZeRO-1/2/3 step time vs mixprec DDP, DeepSpeed ZeRO and torch fully_shard; collective
+payload per step and persistent memory per rank against theory.
 
-2 processes over Gloo, bf16 autocast with fp32 parameters, AdamW, the TinyLM of
-examples/train_transformer.py. Rounds alternate the contenders' order; medians of the
-slowest rank's step time are reported. Then, per stage: bytes handed to collectives per
-step against the theory (2x the fp32 model size for stages 1/2: reduce-scatter of the
-gradients + all-gather of the parameters), and persistent per-rank memory against the
-ZeRO formula for this setting (fp32 params and grads, Adam):
-    stage 1: 4P (params) + 4P (full grads) + 4P/N (grad shard) + 12P/N (master, m, v)
-    stage 2: 4P (params) + 4P/N (grad shard) + 12P/N
+N local processes over Gloo (mixprec's process runner), AdamW in bf16: every contender
+stores bf16 parameters and keeps fp32 master weights and fp32 Adam moments —
+mixprec ``Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16)``, DeepSpeed
+``{"bf16": {"enabled": true}}`` with torch's AdamW as client optimizer, torch
+``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (its
+sharded parameters are the fp32 masters). ``torch_ddp`` (in the model-size sweep) is torch
+DDP with fp32 parameters and bf16 autocast: torch has no bf16-storage + fp32-master mode.
+ZeRO-3/FSDP units: every ``TransformerEncoderLayer`` plus the root. Rounds alternate the
+contenders' order; medians of the slowest rank's step time are reported. AdamW lr 1e-3
+for all (the loss curves of run_all.py come from this run). ``fsdp`` is
+mixprec's FSDP2-named ZeRO-3 (same units), ``torch_ddp`` is there for the loss curves and
+the scaling tables.
 
-    python benchmarks/bench_zero.py            # ~3 min on 2 cores
-    python benchmarks/bench_zero.py --quick    # smoke run
+Per mixprec stage, from the tensors the engine holds (``engine.persistent_bytes()``) after
+training, persistent bytes per rank of parameters + gradients + optimizer state, against
+mixprec's ZeRO formula (P parameters, N ranks; docs/zero.md explains each term):
+
+    stage 1: 2P (bf16 params) + 4P (fp32 gradient buckets) + 18P/N
+    stage 2: 2P + 18P/N
+    stage 3: 18P/N
+    18P/N = 4 fp32 master + 8 Adam m, v + 4 fp32 gradient shard + 2 bf16 shard (bytes/param)
+
+and the paper's (Rajbhandari et al., fp16 params and grads, K=12): 4P + 12P/N, 2P + 14P/N,
+16P/N. Collective payload per step from the cores' cumulative counters
+(``engine.comm_counters()``): theory 2P elements (reduce P + all-gather P) for stages 1/2,
+3P for stage 3 (gather for forward, again for backward, reduce) less the root unit's
+parameters, which stay gathered from forward until the end of backward (as FSDP2's root).
+
+    python benchmarks/bench_zero.py                   # N=2, ~3 min on 2 cores
+    python benchmarks/bench_zero.py --world-size 4    # oversubscribed on 2 cores
+    python benchmarks/bench_zero.py --quick           # smoke run
 """
 
 from __future__ import annotations
@@ -18,138 +39,250 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import alternate, lm_loss, n_params, package_version, round_batches, stats, tinylm  # noqa: E402
+
+from mixprec.distributed.spawn import run_distributed  # noqa: E402
+
+MAIN = ["mixprec_ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed_zero1", "deepspeed_zero2",
+        "deepspeed_zero3", "torch_fsdp2", "torch_ddp"]
+SWEEP = ["mixprec_ddp", "torch_ddp", "zero2", "zero3", "deepspeed_zero3", "torch_fsdp2"]
+# One rank: mixprec's distributed backends need >= 2 processes, so its point is backend="single"
+# (same policy: bf16 params + fp32 masters); the peers run on a one-rank group.
+SINGLE_RANK = ["mixprec_single", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "torch_fsdp2", "torch_ddp"]
+UNITS = ["TransformerEncoderLayer"]
+BUCKET = {"bucket_cap_mb": 25, "first_bucket_cap_mb": 1}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def memory_formula(stage: int, P: int, N: int) -> dict:
+    """Persistent bytes per rank: mixprec's terms and the ZeRO paper's (fp16 grads, K=12)."""
+    shard = 18 * P / N  # fp32 master 4 + Adam m, v 8 + fp32 grad shard 4 + bf16 shard 2
+    mixprec = {1: 2 * P + 4 * P + shard, 2: 2 * P + shard, 3: shard}[stage]
+    paper = {1: 4 * P + 12 * P / N, 2: 2 * P + 14 * P / N, 3: 16 * P / N}[stage]
+    return {"mixprec": mixprec, "paper": paper}
 
 
-def _rank_main(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _bench(rank, world, args)
-    finally:
-        dist.destroy_process_group()
+def _mixprec(backend: str, base: nn.Module):
+    from mixprec import Accelerator
+
+    opts = dict(BUCKET) if backend != "single" else {}
+    if backend in ("zero3", "fsdp"):
+        opts["units"] = UNITS
+    acc = Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16, backend=backend, cpu=True,
+                      log_policy=False, engine_options=opts or None)
+    model = copy.deepcopy(base)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def step(ids, tgt):
+        loss = lm_loss(model(ids), tgt)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step, acc
+
+
+def _deepspeed(stage: int, base: nn.Module, batch: int):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    model = copy.deepcopy(base)
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+              "wall_clock_breakdown": False}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                           config=config)
+
+    def step(ids, tgt):
+        loss = lm_loss(engine(ids), tgt)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, engine
 
 
 def _fsdp2(base: nn.Module, world: int):
-    """torch fully_shard on an explicit CPU mesh, per-layer units, SUM-only collectives."""
+    """torch fully_shard on a CPU mesh, same units, bf16 gathers, fp32 reduce, SUM-only comms."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = copy.deepcopy(base)
     mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for m in model.modules():
-        if isinstance(m, nn.TransformerEncoderLayer):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.set_force_sum_reduction_for_comms(True)
-    return model
+        if type(m).__name__ in UNITS:
+            fully_shard(m, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.set_force_sum_reduction_for_comms(True)  # Gloo has no AVG reduce-scatter
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(ids, tgt):
+        loss = lm_loss(model(ids), tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
 
 
-def _bench(rank: int, world: int, args) -> None:
-    from mixprec import Accelerator
-    from train_transformer import TinyLM
+def _torch_ddp(base: nn.Module):
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    vocab, seq = 256, 64
-    torch.manual_seed(0)
-    base = TinyLM(vocab, dim=args.dim, heads=8, layers=args.layers, seq=seq)
-    n_params = sum(p.numel() for p in base.parameters())
-    loss_fn = nn.CrossEntropyLoss()
-    g = torch.Generator().manual_seed(rank)
-    data = [(torch.randint(0, vocab, (args.batch, seq), generator=g),
-             torch.randint(0, vocab, (args.batch, seq), generator=g)) for _ in range(args.steps)]
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=25)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    contenders, accs = {}, {}
-    for name, backend, opts in (("mixprec_ddp", "ddp", {}), ("zero1", "zero1", {}),
-                                ("zero2", "zero2", {}),
-                                ("zero2_rs", "zero2", {"collective": "reduce_scatter"})):
-        acc = Accelerator(mixed_precision="bf16", backend=backend, cpu=True, log_policy=False,
-                          engine_options={"bucket_cap_mb": 25, "first_bucket_cap_mb": 1, **opts})
-        model = copy.deepcopy(base)
-        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        accs[name] = acc
+    def step(ids, tgt):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        loss = lm_loss(logits, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
 
-        def step(ids, tgt, model=model, opt=opt, acc=acc):
-            acc.backward(loss_fn(model(ids).flatten(0, 1), tgt.flatten()))
-            opt.step()
-            opt.zero_grad()
+    return step
 
+
+def _build(name: str, base: nn.Module, world: int, batch: int):
+    """(step, mixprec accelerator or None) for one contender."""
+    if name in ("mixprec_ddp", "mixprec_single", "zero1", "zero2", "zero3", "fsdp"):
+        return _mixprec(name.replace("mixprec_", ""), base)
+    if name.startswith("deepspeed_zero"):
+        return _deepspeed(int(name[-1]), base, batch)[0], None
+    if name == "torch_fsdp2":
+        return _fsdp2(base, world), None
+    if name == "torch_ddp":
+        return _torch_ddp(base), None
+    raise ValueError(f"unknown contender {name!r}; known: {sorted(set(MAIN) | set(SWEEP))}")
+
+
+def _run_config(cfg: dict, world: int, rank: int) -> dict:
+    import torch.distributed as dist
+
+    base = tinylm(cfg["dim"], cfg["layers"])
+    P = n_params(base)
+    contenders, accs, skipped = {}, {}, {}
+    for name in cfg["contenders"]:
+        if name.startswith("deepspeed") and package_version("deepspeed") is None:
+            skipped[name] = "deepspeed is not installed"
+            continue
+        try:
+            step, acc = _build(name, base, world, cfg["batch"])
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
+            if name not in ("torch_fsdp2",) and not name.startswith("deepspeed"):
+                raise
+            skipped[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
         contenders[name] = step
-    try:
-        fsdp = _fsdp2(base, world)
-        fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-4)
-
-        def fsdp_step(ids, tgt):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = fsdp(ids)
-            loss_fn(logits.float().flatten(0, 1), tgt.flatten()).backward()
-            fsdp_opt.step()
-            fsdp_opt.zero_grad()
-
-        fsdp_step(*data[0])
-        contenders["torch_fsdp2"] = fsdp_step
-    except Exception as e:  # report, keep benchmarking the rest
-        if rank == 0:
-            print(f"torch fully_shard does not run here: {type(e).__name__}: {e}")
-    for fn in contenders.values():  # warm-up
-        fn(*data[0])
-    times = {k: [] for k in contenders}
-    names = list(contenders)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            for ids, tgt in data:
-                contenders[name](ids, tgt)
-            elapsed = torch.tensor([(time.perf_counter() - start) / len(data)])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
-    if rank != 0:
-        return
-    med = {k: statistics.median(v) for k, v in times.items()}
-    P, N = n_params, world
-    print(f"ZeRO, {N} processes x {torch.get_num_threads()} thread(s), Gloo, bf16 autocast, fp32 params, "
-          f"AdamW, TinyLM {P / 1e6:.1f}M params, batch {args.batch}x{seq} per rank, "
-          f"{args.rounds} rounds x {args.steps} steps, bucket 25 MiB")
-    for k, v in med.items():
-        print(f"  {k:<12} median step {v * 1e3:8.1f} ms  ratio vs mixprec_ddp {v / med['mixprec_ddp']:.3f}"
-              + (f"  vs torch_fsdp2 {v / med['torch_fsdp2']:.3f}" if "torch_fsdp2" in med else ""))
-    print(f"  reduce collective on Gloo: all-reduce+slice (zero2) / reduce_scatter (zero2_rs) = "
-          f"{med['zero2'] / med['zero2_rs']:.3f}")
-    model_bytes = 4 * P
-    for name in ("zero1", "zero2", "zero2_rs"):
+        if acc is not None:
+            accs[name] = acc
+    data = round_batches(cfg["rounds"] + 1, cfg["steps"], cfg["batch"], seed=100 + rank)
+    times, losses = alternate(contenders, data[1:], data[0][:2], distributed=True)
+    out = {"dim": cfg["dim"], "layers": cfg["layers"], "params": P, "world": world,
+           "batch": cfg["batch"], "steps": cfg["steps"], "rounds": cfg["rounds"],
+           "contenders": {k: stats(v) for k, v in times.items()}, "losses": losses, "skipped": skipped,
+           "memory": {}, "comm": {}}
+    if not cfg.get("measure", False):
+        return out
+    for name in ("zero1", "zero2", "zero3"):
+        if name not in accs:
+            continue
         eng = accs[name].engine
-        b = eng.bytes_communicated_last_step()
-        total = b["reduce"] + b["gather"]
-        # Ring cost per rank: reduce-scatter and all-gather move (N-1)/N of their buffer,
-        # an all-reduce twice that.
-        wire = (N - 1) / N * (b["reduce"] * (2 if eng.options.collective == "allreduce" else 1) + b["gather"])
-        mem = eng.persistent_bytes()
         stage = eng.stage
-        measured = model_bytes + mem["master"] + mem["lowp"] + mem["optimizer_state"] + mem["grads"]
-        formula = 4 * P + (4 * P if stage == 1 else 0) + 4 * P / N + 12 * P / N
-        print(f"  {name:<9} bytes to collectives/step {total:,} = {total / (2 * model_bytes):.4f} x theory "
-              f"(2 x {model_bytes:,}; padding only), ring traffic/rank {wire:,.0f} ({eng.options.collective}); "
-              f"persistent/rank {measured:,} = {measured / formula:.4f} x formula {formula:,.0f} "
-              f"(optimizer part {mem['master'] + mem['optimizer_state']:,} = "
-              f"{(mem['master'] + mem['optimizer_state']) / (12 * P):.4f} x 12P)")
+        steps_done = len(losses[name])
+        mem = eng.persistent_bytes()
+        measured = sum(mem.values())
+        formula = memory_formula(stage, P, world)
+        # The root unit's parameters (zero3): gathered once per step, not re-gathered for backward.
+        root = sum(p.numel() for n, p in base.named_parameters() if ".layers." not in f".{n}") if stage == 3 else 0
+        c = eng.comm_counters()
+        per_step = {k: v / steps_done for k, v in c.items()}
+        theory = 2 * P if stage < 3 else 3 * P - root
+        out["memory"][name] = {"stage": stage, "breakdown": mem, "measured": measured, **formula,
+                               "ratio": measured / formula["mixprec"], "ratio_paper": measured / formula["paper"]}
+        out["comm"][name] = {"stage": stage, "per_step": per_step, "theory_elements": theory, "root_params": root,
+                             "elements": per_step["elements_reduced"] + per_step["elements_gathered"],
+                             "collective": eng.options.collective}
+    dist.barrier()
+    return out
+
+
+def _bench(state, configs: list[dict]) -> list[dict] | None:
+    import torch.distributed as dist
+
+    from mixprec.distributed.spawn import free_port
+
+    # World size 1: the runner makes no process group for a single rank; the sharded
+    # engines (and DeepSpeed, fully_shard) need one, so make a one-rank Gloo group.
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        results = [_run_config(cfg, world, rank) for cfg in configs]
+    finally:
+        if own_group:
+            import gc
+
+            gc.collect()  # engines hold the group: free them before destroying it
+            dist.destroy_process_group()
+    return results if rank == 0 else None
+
+
+def configs_for(dim: int, layers: int, batch: int, steps: int, rounds: int, sweep: list[tuple[int, int]] = (),
+                contenders: list[str] = MAIN) -> list[dict]:
+    """The main comparison (with memory and communication measured) and an optional
+    model-size sweep with the SWEEP contenders, for one process group."""
+    out = [dict(dim=dim, layers=layers, batch=batch, steps=steps, rounds=rounds, contenders=list(contenders),
+                measure=any(c in contenders for c in ("zero1", "zero2", "zero3")))]
+    for d, n in sweep:
+        out.append(dict(dim=d, layers=n, batch=batch, steps=steps, rounds=rounds, contenders=list(SWEEP)))
+    return out
+
+
+def measure(world: int = 2, *, dim: int = 384, layers: int = 4, batch: int = 4, steps: int = 3, rounds: int = 4,
+            sweep: list[tuple[int, int]] = (), contenders: list[str] = MAIN, timeout: float = 1800) -> list[dict]:
+    """Run :func:`configs_for` on ``world`` local ranks; rank 0's results, one per config."""
+    if world == 1 and contenders is MAIN:
+        contenders = SINGLE_RANK
+    cfgs = configs_for(dim, layers, batch, steps, rounds, sweep, contenders)
+    return run_distributed(_bench, world, args=(cfgs,), timeout=timeout)[0]
+
+
+def report(res: dict) -> None:
+    P, N = res["params"], res["world"]
+    med = {k: v["median"] for k, v in res["contenders"].items()}
+    print(f"ZeRO, {N} processes, Gloo, bf16 params + fp32 masters, AdamW, TinyLM {P / 1e6:.2f}M params, "
+          f"batch {res['batch']}x64 per rank, {res['rounds']} rounds x {res['steps']} steps")
+    for k, v in med.items():
+        line = f"  {k:<16} median step {v * 1e3:8.1f} ms"
+        if "mixprec_ddp" in med:
+            line += f"  ratio vs mixprec_ddp {v / med['mixprec_ddp']:.3f}"
+        peer = f"deepspeed_zero{k[-1]}" if k in ("zero1", "zero2", "zero3") else None
+        if peer in med:
+            line += f"  vs {peer} {v / med[peer]:.3f}"
+        if k.startswith("zero") and "torch_fsdp2" in med:
+            line += f"  vs torch_fsdp2 {v / med['torch_fsdp2']:.3f}"
+        print(line)
+    for k, why in res["skipped"].items():
+        print(f"  {k:<16} did not run: {why}")
+    for name, m in res["memory"].items():
+        c = res["comm"][name]
+        print(f"  {name}: persistent/rank {m['measured']:,.0f} B = {m['ratio']:.4f} x mixprec formula "
+              f"{m['mixprec']:,.0f} ({m['ratio_paper']:.3f} x paper formula {m['paper']:,.0f}); collective payload/step "
+              f"{c['elements']:,.0f} elements = {c['elements'] / c['theory_elements']:.4f} x theory "
+              f"{c['theory_elements']:,} ({c['elements'] / P:.3f} P; reduce {c['per_step']['elements_reduced']:,.0f}, "
+              f"gather {c['per_step']['elements_gathered']:,.0f}, {c['collective']})")
 
 
 def main() -> None:
@@ -164,7 +297,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.dim, args.layers, args.steps, args.rounds = 64, 1, 2, 2
-    mp.spawn(_rank_main, args=(args.world_size, _free_port(), args), nprocs=args.world_size, join=True)
+    for res in measure(args.world_size, dim=args.dim, layers=args.layers, batch=args.batch, steps=args.steps,
+                       rounds=args.rounds):
+        report(res)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,20 @@ void init_sharded(py::module_& m) {
       .def_property_readonly("param_numel", [](const ShardedCore& c) { return c.layout().param_numel(); })
       .def("bytes_reduced_last", &ShardedCore::bytes_reduced_last)
       .def("bytes_gathered_last", &ShardedCore::bytes_gathered_last)
-      .def("grad_bucket_bytes", &ShardedCore::grad_bucket_bytes);
+      .def("grad_bucket_bytes", &ShardedCore::grad_bucket_bytes)
+      .def("comm_counters",
+           [](const ShardedCore& c) {
+             const auto k = c.comm_counters();
+             py::dict out;
+             out["bytes_reduced"] = k.bytes_reduced;
+             out["elements_reduced"] = k.elements_reduced;
+             out["reductions"] = k.reductions;
+             out["bytes_gathered"] = k.bytes_gathered;
+             out["elements_gathered"] = k.elements_gathered;
+             out["gathers"] = k.gathers;
+             return out;
+           })
+      .def("reset_comm_counters", &ShardedCore::reset_comm_counters);
 }
 
 }  // namespace mixprec::bindings

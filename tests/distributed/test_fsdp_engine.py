@@ -263,3 +263,58 @@ def test_unit_selection_and_its_errors():
         select_unit_modules(model, ["Block"])
     with pytest.raises(ValueError, match=r"units='layers'"):
         select_unit_modules(model, "layers")
+
+
+def _comm_with_root(state, reshard_after_forward):
+    """Counters over 2 steps of a model with parameters in two Linear units and in the root
+    (a bias-like root parameter and a root LayerNorm): per step the elements reduced and
+    gathered, the root's and the units' parameter counts, and the persistent bytes."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from mixprec import Accelerator
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 32)
+            self.b = nn.Linear(32, 4)
+            self.norm = nn.LayerNorm(32)  # root
+            self.shift = nn.Parameter(torch.zeros(4))  # root
+
+        def forward(self, x):
+            return self.b(self.norm(self.a(x)).relu()) + self.shift
+
+    torch.manual_seed(0)
+    model = Net()
+    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("a.", "b.")))
+    total = sum(p.numel() for p in model.parameters())
+    acc = Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16, backend="fsdp", cpu=True,
+                      log_policy=False, engine_options={"units": ["Linear"],
+                                                        "reshard_after_forward": reshard_after_forward})
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    acc.engine.reset_comm_counters()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        acc.backward(nn.functional.mse_loss(model(x).float(), y))
+        opt.step()
+        opt.zero_grad()
+    c = acc.engine.comm_counters()
+    return c["elements_reduced"] / 2, c["elements_gathered"] / 2, root, total, acc.engine.persistent_bytes()
+
+
+def test_comm_counters_root_is_gathered_once_units_twice():
+    """Stage-3 payload per step: reduce P, gather each unit twice (forward, backward) and the
+    root once (it stays gathered from forward to the end of backward): 3P - root. With
+    reshard_after_forward=False every unit stays gathered too: 2P. All sizes are even, so no
+    bucket needs padding at N=2. Between steps only the shards are held (params = 0 bytes)."""
+    for reduced, gathered, root, total, mem in run_distributed(_comm_with_root, 2, args=(True,)):
+        assert reduced == total
+        assert gathered == 2 * (total - root) + root
+        assert mem["params"] == 0
+        # bf16 shard 2 + fp32 master 4 + Adam 8 + fp32 grad shard 4 bytes per owned element
+        assert mem["lowp"] + mem["master"] + mem["optimizer_state"] + mem["grads"] == 18 * total // 2
+    for reduced, gathered, _, total, _ in run_distributed(_comm_with_root, 2, args=(False,)):
+        assert (reduced, gathered) == (total, total)

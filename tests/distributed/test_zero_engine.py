@@ -294,3 +294,59 @@ def test_layout_reverse_order_even_split():
         numel = sum(231 if i % 2 == 0 else 7 for i in b)
         assert s * world >= numel > (s - 1) * world  # padded to a multiple of N, minimally
 
+
+
+def _comm_per_step(state, backend, steps, opts):
+    """Per-step collective payload (the engine's cumulative counters over ``steps`` steps,
+    after one warm-up step) of a model whose every parameter has an even element count (so
+    no bucket needs padding at N=2) and, for zero3/fsdp, lives in a Linear unit."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from mixprec import Accelerator
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    n_params = sum(p.numel() for p in model.parameters())
+    acc = Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16, backend=backend, cpu=True,
+                      log_policy=False, engine_options={"first_bucket_cap_mb": 0.002,
+                                                        "bucket_cap_mb": 0.004, **opts})
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(steps + 1)]
+
+    def step(x, y):
+        acc.backward(nn.functional.mse_loss(model(x).float(), y))
+        opt.step()
+        opt.zero_grad()
+
+    step(*batches[0])
+    before_reset = acc.engine.comm_counters()
+    acc.engine.reset_comm_counters()
+    assert all(v == 0 for v in acc.engine.comm_counters().values())
+    for x, y in batches[1:]:
+        step(x, y)
+    counters = acc.engine.comm_counters()
+    return n_params, before_reset, counters
+
+
+@pytest.mark.parametrize("backend,opts,gathers_per_step", [
+    ("zero1", {}, 1), ("zero2", {}, 1), ("zero2", {"collective": "reduce_scatter"}, 1),
+    ("zero3", {"units": ["Linear"]}, 2),  # forward gather + backward re-gather
+    ("fsdp", {"units": ["Linear"], "reshard_after_forward": False}, 1),  # kept until backward ends
+])
+def test_comm_counters_count_2p_or_3p_elements_per_step(backend, opts, gathers_per_step):
+    steps = 3
+    for n_params, before_reset, c in run_distributed(_comm_per_step, 2, args=(backend, steps, opts)):
+        assert before_reset["elements_reduced"] == n_params  # the warm-up step alone
+        # Reduction: every gradient element once per step, in fp32.
+        assert c["elements_reduced"] == steps * n_params, (c, n_params)
+        assert c["bytes_reduced"] == 4 * c["elements_reduced"]
+        # Gathers: every parameter element once (zero1/2, fsdp keep) or twice (zero3) per
+        # step, in the bf16 storage dtype: 2P (zero1/2) or 3P (zero3) elements per step.
+        assert c["elements_gathered"] == gathers_per_step * steps * n_params, (c, n_params)
+        assert c["bytes_gathered"] == 2 * c["elements_gathered"]
+        total = (c["elements_reduced"] + c["elements_gathered"]) / steps
+        assert total == (2 if gathers_per_step == 1 else 3) * n_params
+        assert c["reductions"] > 0 and c["gathers"] > 0

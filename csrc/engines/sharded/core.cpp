@@ -171,6 +171,37 @@ void ShardedCore::launch_locked(size_t b) {
     bucket.work = group_->allreduce(tensors, opts);
   }
   bytes_reduced_running_ += static_cast<int64_t>(grads.nbytes());
+  // [Note: communication counters]
+  bytes_reduced_total_ += static_cast<int64_t>(grads.nbytes());
+  elements_reduced_total_ += grads.numel();
+  ++reductions_total_;
+}
+
+void ShardedCore::count_gather(const at::Tensor& flat) {
+  // [Note: communication counters]
+  bytes_gathered_total_ += static_cast<int64_t>(flat.nbytes());
+  elements_gathered_total_ += flat.numel();
+  ++gathers_total_;
+}
+
+ShardedCore::CommCounters ShardedCore::comm_counters() const {
+  CommCounters c;
+  c.bytes_reduced = bytes_reduced_total_.load();
+  c.elements_reduced = elements_reduced_total_.load();
+  c.reductions = reductions_total_.load();
+  c.bytes_gathered = bytes_gathered_total_.load();
+  c.elements_gathered = elements_gathered_total_.load();
+  c.gathers = gathers_total_.load();
+  return c;
+}
+
+void ShardedCore::reset_comm_counters() {
+  bytes_reduced_total_ = 0;
+  elements_reduced_total_ = 0;
+  reductions_total_ = 0;
+  bytes_gathered_total_ = 0;
+  elements_gathered_total_ = 0;
+  gathers_total_ = 0;
 }
 
 void ShardedCore::complete_locked(size_t b) {
@@ -255,6 +286,7 @@ void ShardedCore::gather_params(bool refresh_lowp) {
     }
     works.push_back(group_->all_gather_single(buckets_[b].params_flat, input));
     bytes += static_cast<int64_t>(buckets_[b].params_flat.nbytes());
+    count_gather(buckets_[b].params_flat);
   }
   for (auto& w : works) w->wait();
   bytes_gathered_last_ = bytes;
@@ -276,6 +308,7 @@ void ShardedCore::unshard_locked(bool async_op) {
       auto input = lowp_[b].defined() ? lowp_[b] : master_.narrow(0, lb[b].shard_offset, lb[b].shard);
       buckets_[b].gather = group_->all_gather_single(flat, input);
       bytes += static_cast<int64_t>(flat.nbytes());
+      count_gather(flat);
     }
     bytes_gathered_last_ = bytes;
     unsharded_ = true;

@@ -42,6 +42,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -109,6 +110,25 @@ class ShardedCore {
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> owned_ranges() const;
   int64_t bytes_reduced_last() const { return bytes_reduced_last_; }
   int64_t bytes_gathered_last() const { return bytes_gathered_last_; }
+  // [Note: communication counters]
+  // Cumulative payload handed to collectives since the last reset_comm_counters() (or
+  // construction): every gradient-bucket reduction (reduce-scatter or all-reduce; the
+  // bucket's full padded fp32 buffer) and every parameter all-gather (gather_params()
+  // after a ZeRO-1/2 step, and each unshard() that actually gathers: the forward and the
+  // backward gathers of a ZeRO-3/FSDP unit, prefetches included; the gathered padded
+  // buffer in the storage dtype). Counted when the collective is launched. Not counted:
+  // full_masters() (state-dict gathers, outside the training step), and the engine's
+  // own small all-reduces in Python (found_inf, clip norm) and buffer broadcasts.
+  struct CommCounters {
+    int64_t bytes_reduced = 0;
+    int64_t elements_reduced = 0;
+    int64_t reductions = 0;  // bucket collectives launched
+    int64_t bytes_gathered = 0;
+    int64_t elements_gathered = 0;
+    int64_t gathers = 0;  // bucket all-gathers launched
+  };
+  CommCounters comm_counters() const;
+  void reset_comm_counters();
   int64_t grad_bucket_bytes() const;  // fp32 bucket memory currently allocated
 
  private:
@@ -152,6 +172,14 @@ class ShardedCore {
   int64_t bytes_reduced_running_ = 0;
   int64_t bytes_reduced_last_ = 0;
   int64_t bytes_gathered_last_ = 0;
+  // [Note: communication counters]; atomics so they can be read without the core's lock.
+  std::atomic<int64_t> bytes_reduced_total_{0};
+  std::atomic<int64_t> elements_reduced_total_{0};
+  std::atomic<int64_t> reductions_total_{0};
+  std::atomic<int64_t> bytes_gathered_total_{0};
+  std::atomic<int64_t> elements_gathered_total_{0};
+  std::atomic<int64_t> gathers_total_{0};
+  void count_gather(const at::Tensor& flat);
   std::mutex mutex_;
 };
 

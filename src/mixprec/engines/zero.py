@@ -405,9 +405,33 @@ class ZeroEngine(Engine):
         gathered = sum(c.bytes_gathered_last() for c in self._all_cores())
         return {"reduce": reduced, "gather": gathered}
 
+    def comm_counters(self) -> dict:
+        """Collective payload handed out by this rank since :meth:`reset_comm_counters`,
+        summed over every sharding core (zero3/fsdp: one per unit): ``bytes_reduced`` /
+        ``elements_reduced`` (gradient buckets, fp32, padded), ``bytes_gathered`` /
+        ``elements_gathered`` (parameter all-gathers in the storage dtype, padded: ZeRO-1/2
+        after each step; ZeRO-3 every forward and backward gather, prefetches included),
+        and the number of bucket collectives (``reductions``, ``gathers``). See
+        ``[Note: communication counters]`` in csrc/engines/sharded/core.h for what is not
+        counted (state-dict gathers, the small found_inf/clip-norm all-reduces)."""
+        total = dict.fromkeys(("bytes_reduced", "elements_reduced", "reductions",
+                               "bytes_gathered", "elements_gathered", "gathers"), 0)
+        for core in self._all_cores():
+            for key, value in core.comm_counters().items():
+                total[key] += value
+        return total
+
+    def reset_comm_counters(self) -> None:
+        """Zero the counters of :meth:`comm_counters` (every core of every model)."""
+        for core in self._all_cores():
+            core.reset_comm_counters()
+
     def persistent_bytes(self) -> dict:
-        """Per-rank bytes that live across steps: master shard, low-precision shards,
-        optimizer state of the shards, and (stage 1) the full fp32 gradient buckets."""
+        """Per-rank bytes that live across steps: the model's flat parameter buffers
+        (``params``: full for zero1/2; for zero3/fsdp only the units gathered right now,
+        0 between steps), master shard, low-precision shards, optimizer state of the
+        shards, and gradients (shard + full fp32 buckets while allocated: stage 1 keeps them)."""
+        params = sum(c.param_buffer_bytes() for c in self._all_cores())
         masters = sum(c.master_shard.nbytes for c in self._all_cores())
         lowp = sum(t.nbytes for c in self._all_cores() for t in c.lowp_shards if t is not None)
         opt_state = 0
@@ -416,7 +440,8 @@ class ZeroEngine(Engine):
                 opt_state += sum(v.nbytes for v in per_param.values()
                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
         grads = sum(c.grad_shard.nbytes + c.grad_bucket_bytes() for c in self._all_cores())
-        return {"master": masters, "lowp": lowp, "optimizer_state": opt_state, "grads": grads}
+        return {"params": params, "master": masters, "lowp": lowp, "optimizer_state": opt_state,
+                "grads": grads}
 
 
 class Zero1Engine(ZeroEngine):

@@ -29,7 +29,8 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python benchmarks/bench_single.py
+	$(BIN)/pip install -q ".[bench]"
+	$(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf build $(VENV)

@@ -11,8 +11,9 @@ DDP with fp32 parameters and bf16 autocast: torch has no bf16-storage + fp32-mas
 ZeRO-3/FSDP units: every ``TransformerEncoderLayer`` plus the root. Rounds alternate the
 contenders' order; medians of the slowest rank's step time are reported. AdamW lr 1e-3
 for all (the loss curves of run_all.py come from this run). ``fsdp`` is
-mixprec's FSDP2-named ZeRO-3 (same units), ``torch_ddp`` is there for the loss curves and
-the scaling tables.
+mixprec's FSDP2-named ZeRO-3 (same units), ``zero2_rs`` is zero2 with
+``collective="reduce_scatter"`` (the default on Gloo is all-reduce + slice, docs/zero.md),
+``torch_ddp`` is there for the loss curves and the scaling tables.
 
 Per mixprec stage, from the tensors the engine holds (``engine.persistent_bytes()``) after
 training, persistent bytes per rank of parameters + gradients + optimizer state, against
@@ -50,7 +51,7 @@ from _common import alternate, lm_loss, n_params, package_version, round_batches
 
 from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
-MAIN = ["mixprec_ddp", "zero1", "zero2", "zero3", "fsdp", "deepspeed_zero1", "deepspeed_zero2",
+MAIN = ["mixprec_ddp", "zero1", "zero2", "zero2_rs", "zero3", "fsdp", "deepspeed_zero1", "deepspeed_zero2",
         "deepspeed_zero3", "torch_fsdp2", "torch_ddp"]
 SWEEP = ["mixprec_ddp", "torch_ddp", "zero2", "zero3", "deepspeed_zero3", "torch_fsdp2"]
 # One rank: mixprec's distributed backends need >= 2 processes, so its point is backend="single"
@@ -72,6 +73,8 @@ def _mixprec(backend: str, base: nn.Module):
     from mixprec import Accelerator
 
     opts = dict(BUCKET) if backend != "single" else {}
+    if backend == "zero2_rs":  # Gloo's reduce_scatter instead of collective="auto"'s all-reduce + slice
+        backend, opts["collective"] = "zero2", "reduce_scatter"
     if backend in ("zero3", "fsdp"):
         opts["units"] = UNITS
     acc = Accelerator(mixed_precision="bf16", param_dtype=torch.bfloat16, backend=backend, cpu=True,
@@ -155,7 +158,7 @@ def _torch_ddp(base: nn.Module):
 
 def _build(name: str, base: nn.Module, world: int, batch: int):
     """(step, mixprec accelerator or None) for one contender."""
-    if name in ("mixprec_ddp", "mixprec_single", "zero1", "zero2", "zero3", "fsdp"):
+    if name in ("mixprec_ddp", "mixprec_single", "zero1", "zero2", "zero2_rs", "zero3", "fsdp"):
         return _mixprec(name.replace("mixprec_", ""), base)
     if name.startswith("deepspeed_zero"):
         return _deepspeed(int(name[-1]), base, batch)[0], None

@@ -68,8 +68,8 @@ def test_quick_run_has_every_comparison_row(quick_run):
         "## DDP, N=2": ["torch_ddp", "torch_ddp_fused_adamw", "mixprec_ddp"]
                        + (["accelerate_ddp"] if _installed("accelerate") else []),
         "### N=1": ["mixprec_single", "torch_fsdp2", "torch_ddp"],
-        "### N=2": ["mixprec_ddp", "zero1", "zero2", "zero3", "fsdp", "torch_fsdp2", "torch_ddp"],
-        "### N=4": ["mixprec_ddp", "zero1", "zero2", "zero3", "fsdp", "torch_fsdp2", "torch_ddp"],
+        "### N=2": ["mixprec_ddp", "zero1", "zero2", "zero2_rs", "zero3", "fsdp", "torch_fsdp2", "torch_ddp"],
+        "### N=4": ["mixprec_ddp", "zero1", "zero2", "zero2_rs", "zero3", "fsdp", "torch_fsdp2", "torch_ddp"],
         "## mixprec FSDP vs torch fully_shard": ["fsdp", "fsdp_keep", "torch_fsdp2", "torch_fsdp2_keep"],
     }
     for stage in ("1", "2", "3"):

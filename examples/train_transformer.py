@@ -6,11 +6,17 @@ Nothing is downloaded: data is generated on the fly.
 
     python examples/train_transformer.py --mixed-precision bf16 --steps 200
     mixprec launch --nproc-per-node 2 examples/train_transformer.py --steps 100   # ddp
+    mixprec launch --config-file mixprec.yaml --nproc-per-node 2 examples/train_transformer.py
+
+The backend and precision come from the config (``--config``, ``mixprec launch
+--config-file``, ``MIXPREC_*`` variables) or ``--mixed-precision``; with none of them the
+demo trains in bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -47,20 +53,31 @@ def batches(n_steps: int, batch: int, seq: int, vocab: int, shift: int, seed: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16", "fp16", "bf16-pure"])
+    ap.add_argument("--mixed-precision", default=None, choices=["no", "bf16", "fp16", "bf16-pure"],
+                    help="default: from the config, else bf16")
+    ap.add_argument("--config", default=None, metavar="PATH", help="mixprec config file")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--accumulate", type=int, default=None, help="gradient accumulation steps (default: config, else 1)")
     ap.add_argument("--cpu", action="store_true")
     args = ap.parse_args()
 
     torch.manual_seed(0)
     vocab, seq, shift = 32, 24, 3
-    accelerator = Accelerator(
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.accumulate,
-        cpu=args.cpu,
-    )
+    kwargs = {}
+    if args.config is not None:
+        kwargs["config"] = args.config
+    configured = args.config or os.environ.get("MIXPREC_CONFIG_FILE") or os.environ.get("MIXPREC_MIXED_PRECISION")
+    if args.mixed_precision is not None:
+        kwargs["mixed_precision"] = args.mixed_precision
+    elif not configured:  # the demo's default; a config decides otherwise (no conflict with it)
+        kwargs["mixed_precision"] = "bf16"
+    if args.accumulate is not None:
+        kwargs["gradient_accumulation_steps"] = args.accumulate
+    if args.cpu:
+        kwargs["cpu"] = True
+    accelerator = Accelerator(**kwargs)  # only what was given: the config decides the rest
+    accumulate = accelerator.gradient_accumulation_steps
     model = TinyLM(vocab, dim=64, heads=4, layers=2, seq=seq)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=args.steps)
@@ -70,7 +87,7 @@ def main() -> None:
     start = time.perf_counter()
     first = last = None
     for step, (ids, target) in enumerate(
-        batches(args.steps * args.accumulate, args.batch, seq, vocab, shift, seed=accelerator.process_index)
+        batches(args.steps * accumulate, args.batch, seq, vocab, shift, seed=accelerator.process_index)
     ):
         ids, target = ids.to(accelerator.device), target.to(accelerator.device)
         with accelerator.accumulate(model):
@@ -84,7 +101,7 @@ def main() -> None:
         if accelerator.sync_gradients:
             first = loss.item() if first is None else first
             last = loss.item()
-            k = step // args.accumulate
+            k = step // accumulate
             if k % 25 == 0 or k == args.steps - 1:
                 r = accelerator.last_step
                 accelerator.print(
@@ -94,7 +111,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     accelerator.print(
         f"done: loss {first:.4f} -> {last:.4f} in {elapsed:.1f}s on {accelerator.device} "
-        f"({args.mixed_precision}, backend {accelerator.backend}, {accelerator.num_processes} process(es)); "
+        f"({accelerator.mixed_precision}, backend {accelerator.backend}, {accelerator.num_processes} process(es)); "
         f"skipped steps: {accelerator.skipped_steps}"
     )
     accelerator.end_training()

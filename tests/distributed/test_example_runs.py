@@ -1,5 +1,6 @@
-"""The examples train under `mixprec launch`: the main one with 2 processes and on 2 "nodes"
-over loopback; digits_cnn, char_gpt and denoiser with 2 processes on zero2 in bf16."""
+"""The examples train under `mixprec launch`: the main one with 2 processes on zero2 in bf16
+(a config file) and on 2 "nodes" over loopback (ddp); digits_cnn, char_gpt and denoiser with 2
+processes on zero2 in bf16."""
 
 import re
 import subprocess
@@ -13,17 +14,20 @@ EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_transfor
 ARGS = ["--steps", "40", "--batch", "16", "--cpu"]
 
 
-def _assert_trained(output: str) -> None:
-    m = re.search(r"done: loss ([\d.]+) -> ([\d.]+) .*backend ddp, 2 process\(es\)", output)
+def _assert_trained(output: str, backend: str = "ddp", precision: str = "bf16") -> None:
+    m = re.search(rf"done: loss ([\d.]+) -> ([\d.]+) .*\({precision}, backend {backend}, 2 process\(es\)", output)
     assert m, output
     assert float(m.group(2)) < float(m.group(1))
 
 
-def test_example_trains_with_two_processes():
-    out = subprocess.run([sys.executable, "-m", "mixprec", "launch", "--nproc-per-node", "2", EXAMPLE, *ARGS],
+def test_example_trains_with_two_processes_on_zero2_bf16_from_a_config_file(tmp_path):
+    config = tmp_path / "mixprec.yaml"
+    config.write_text("backend: zero2\nmixed_precision: bf16\ngradient_accumulation_steps: 2\n")
+    out = subprocess.run([sys.executable, "-m", "mixprec", "launch", "--config-file", str(config),
+                          "--nproc-per-node", "2", EXAMPLE, *ARGS],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    _assert_trained(out.stdout)
+    _assert_trained(out.stdout, backend="zero2")
     assert out.stdout.count("done: loss") == 1  # printed by the main process only
 
 

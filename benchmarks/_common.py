@@ -53,6 +53,30 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=-100)
 
 
+def accelerator_step(acc, model, opt) -> Callable:
+    """A contender's training step through an Accelerate-style ``acc`` (mixprec or Accelerate)."""
+    def step(ids, tgt):
+        loss = lm_loss(model(ids), tgt)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
+def torch_step(model, opt, *, autocast: bool = True) -> Callable:
+    """A plain PyTorch training step; ``autocast``: forward under bf16 CPU autocast."""
+    def step(ids, tgt):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids)
+        loss = lm_loss(logits, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 def alternate(contenders: dict[str, Callable], rounds_data: list[list[tuple]],
               warmup: list[tuple], distributed: bool = False) -> tuple[dict, dict]:
     """Run every contender's ``step(ids, target) -> loss`` in alternating rounds.

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate, lm_loss, n_params, package_version, round_batches, stats, tinylm  # noqa: E402
+from _common import accelerator_step, alternate, lm_loss, n_params, package_version, round_batches, stats, tinylm, torch_step  # noqa: E402
 
 from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
@@ -48,13 +48,7 @@ def _accelerate_ddp(base):
     except Exception as e:  # noqa: BLE001 - reported in RESULTS.md
         return None, f"{type(e).__name__}: {e}"
 
-    def step(ids, tgt):
-        loss = lm_loss(model(ids), tgt)
-        acc.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
+    step = accelerator_step(acc, model, opt)
     return step, f"accelerate {package_version('accelerate')}, {acc.distributed_type}, model {type(model).__name__}"
 
 
@@ -77,17 +71,6 @@ def _bench(state, args: dict) -> dict | None:
     ours = copy.deepcopy(base)
     ours, our_opt = acc.prepare(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4))
 
-    def make_torch_step(model, opt):
-        def step(ids, tgt):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(ids)
-            loss = lm_loss(logits, tgt)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step
-
     def mixprec_step(ids, tgt):
         loss = lm_loss(ours(ids), tgt)
         acc.backward(loss)
@@ -96,8 +79,8 @@ def _bench(state, args: dict) -> dict | None:
         return loss
 
     contenders = {
-        "torch_ddp": make_torch_step(torch_model, torch_opt),
-        "torch_ddp_fused_adamw": make_torch_step(fused_model, fused_opt),
+        "torch_ddp": torch_step(torch_model, torch_opt),
+        "torch_ddp_fused_adamw": torch_step(fused_model, fused_opt),
         "mixprec_ddp": mixprec_step,
     }
     accel_step, accel_note = _accelerate_ddp(base)

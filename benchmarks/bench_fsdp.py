@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import lm_loss, round_batches, tinylm  # noqa: E402
+from _common import accelerator_step, round_batches, tinylm, torch_step  # noqa: E402
 
 from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
@@ -90,14 +90,7 @@ def _build(kind: str, opts: dict, base: nn.Module, world: int):
                           engine_options=engine_options)
         model, opt = acc.prepare(base, torch.optim.AdamW(base.parameters(), lr=1e-4))
 
-        def step(ids, tgt):
-            loss = lm_loss(model(ids), tgt)
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            return loss
-
-        return step, acc.engine, model
+        return accelerator_step(acc, model, opt), acc.engine, model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -109,16 +102,7 @@ def _build(kind: str, opts: dict, base: nn.Module, world: int):
     base.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.AdamW(base.parameters(), lr=1e-4)
 
-    def step(ids, tgt):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = base(ids)
-        loss = lm_loss(logits, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step, None, base
+    return torch_step(base, opt), None, base
 
 
 def _bench(rank: int, world: int, name: str, args: dict) -> dict:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import alternate, lm_loss, n_params, package_version, round_batches, stats, tinylm  # noqa: E402
+from _common import accelerator_step, alternate, lm_loss, n_params, package_version, round_batches, stats, tinylm, torch_step  # noqa: E402
 
 from mixprec.distributed.spawn import run_distributed  # noqa: E402
 
@@ -82,14 +82,7 @@ def _mixprec(backend: str, base: nn.Module):
     model = copy.deepcopy(base)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
-    def step(ids, tgt):
-        loss = lm_loss(model(ids), tgt)
-        acc.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step, acc
+    return accelerator_step(acc, model, opt), acc
 
 
 def _deepspeed(stage: int, base: nn.Module, batch: int):
@@ -128,14 +121,7 @@ def _fsdp2(base: nn.Module, world: int):
     model.set_force_sum_reduction_for_comms(True)  # Gloo has no AVG reduce-scatter
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def step(ids, tgt):
-        loss = lm_loss(model(ids), tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
+    return torch_step(model, opt, autocast=False)  # the bf16 policy does the casting
 
 
 def _torch_ddp(base: nn.Module):
@@ -144,16 +130,7 @@ def _torch_ddp(base: nn.Module):
     model = DDP(copy.deepcopy(base), bucket_cap_mb=25)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def step(ids, tgt):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(ids)
-        loss = lm_loss(logits, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
+    return torch_step(model, opt)
 
 
 def _build(name: str, base: nn.Module, world: int, batch: int):

@@ -52,3 +52,12 @@ def test_describe_mentions_every_dtype():
     line = PrecisionPolicy.from_mixed_precision("fp16", param_dtype=torch.float16).describe()
     assert "compute=fp16" in line and "params=fp16" in line and "masters=fp32" in line
     assert "loss_scaling=dynamic" in line
+
+
+def test_accumulate_dtype_follows_the_masters_and_is_not_a_setting():
+    assert PrecisionPolicy.from_mixed_precision("fp16").accumulate_dtype == torch.float32
+    assert PrecisionPolicy.from_mixed_precision("bf16-pure").accumulate_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"accumulate_dtype=torch.bfloat16 is not a setting"):
+        PrecisionPolicy.from_mixed_precision("bf16", accumulate_dtype=torch.bfloat16)
+    with pytest.raises(TypeError):
+        PrecisionPolicy(name="bf16", accumulate_dtype=torch.float32)

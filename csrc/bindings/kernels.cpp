@@ -24,18 +24,21 @@ void init_kernels(py::module_& m) {
       [](const k::TensorVec& params, const k::TensorVec& grads, const k::TensorVec& exp_avgs,
          const k::TensorVec& exp_avg_sqs, const k::TensorVec& lowp_params, double lr,
          double beta1, double beta2, double eps, double weight_decay, double step, bool decoupled,
-         bool maximize, const k::OptTensor& inv_scale, const k::OptTensor& found_inf) {
+         bool maximize, const k::OptTensor& inv_scale, const k::OptTensor& found_inf,
+         const k::TensorVec& steps) {
         k::fused_adam_(params, grads, exp_avgs, exp_avg_sqs, lowp_params,
                        k::AdamOptions{lr, beta1, beta2, eps, weight_decay, step, decoupled,
                                       maximize},
-                       inv_scale, found_inf);
+                       inv_scale, found_inf, steps);
       },
       py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("lowp_params"), py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-      py::arg("eps"), py::arg("weight_decay"), py::arg("step"), py::arg("decoupled"),
-      py::arg("maximize"), py::arg("inv_scale") = py::none(), py::arg("found_inf") = py::none(), nogil,
+      py::arg("eps"), py::arg("weight_decay"), py::arg("step") = 0.0, py::arg("decoupled"),
+      py::arg("maximize"), py::arg("inv_scale") = py::none(), py::arg("found_inf") = py::none(),
+      py::arg("steps") = k::TensorVec{}, nogil,
       "One Adam (decoupled=False) or AdamW step over all tensors; `step` is the already "
-      "incremented step count. Does nothing when found_inf is nonzero.");
+      "incremented step count, or `steps` gives one fp32 1-element counter per param that "
+      "the op increments itself (not when skipped). Does nothing when found_inf is nonzero.");
   m.def(
       "fused_sgd_",
       [](const k::TensorVec& params, const k::TensorVec& grads,

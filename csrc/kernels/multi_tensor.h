@@ -30,9 +30,15 @@ struct AdamOptions {
   double lr, beta1, beta2, eps, weight_decay, step;
   bool decoupled, maximize;
 };
+// `steps` (optional): one fp32 1-element step counter per param, on the params' device
+// (torch's fused-Adam state layout). When given, each counter is incremented unless
+// found_inf is set and the bias corrections use its new value, so a skipped step leaves
+// the counters untouched without the host reading found_inf ([Note: device step
+// counters]); opt.step is then ignored.
 void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_avgs,
                  const TensorVec& exp_avg_sqs, const TensorVec& lowp_params,
-                 const AdamOptions& opt, const OptTensor& inv_scale, const OptTensor& found_inf);
+                 const AdamOptions& opt, const OptTensor& inv_scale, const OptTensor& found_inf,
+                 const TensorVec& steps = {});
 
 struct SgdOptions {
   double lr, momentum, dampening, weight_decay;

@@ -11,6 +11,7 @@
 #include <cmath>
 
 #if MIXPREC_WITH_CUDA
+#include <ATen/ops/_foreach_add.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -108,12 +109,13 @@ at::Tensor l2_norm(const TensorVec& tensors, const OptTensor& found_inf) {
 
 void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_avgs,
                  const TensorVec& exp_avg_sqs, const TensorVec& lowp_params,
-                 const AdamOptions& opt, const OptTensor& inv_scale, const OptTensor& found_inf) {
+                 const AdamOptions& opt, const OptTensor& inv_scale, const OptTensor& found_inf,
+                 const TensorVec& steps) {
   constexpr const char* op = "fused_adam_";
   check_hyper(op, "lr", opt.lr, 0.0);
   check_hyper(op, "eps", opt.eps, 0.0);
   check_hyper(op, "weight_decay", opt.weight_decay, 0.0);
-  check_hyper(op, "step", opt.step, 1.0);
+  if (steps.empty()) check_hyper(op, "step", opt.step, 1.0);
   TORCH_CHECK_VALUE(opt.beta1 >= 0.0 && opt.beta1 < 1.0, "mixprec.", op,
                     ": beta1 must be in [0, 1), got ", opt.beta1);
   TORCH_CHECK_VALUE(opt.beta2 >= 0.0 && opt.beta2 < 1.0, "mixprec.", op,
@@ -132,21 +134,62 @@ void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVe
     check_same_sizes(op, "params", params, "lowp_params", lowp_params);
   }
   check_optional_scalars(op, inv_scale, found_inf, device);
+  if (!steps.empty()) {
+    TORCH_CHECK_VALUE(steps.size() == params.size(), "mixprec.", op, ": got ", steps.size(),
+                      " step counters for ", params.size(), " params; give one per param");
+    for (const auto& t : steps) check_scalar_tensor(op, "steps[i]", t, device);
+  }
   on_device(
       op, device,
       [&] {
         // [Note: skipped steps] checked once, before anything is written.
         if (found_inf && cpu_scalar(*found_inf) != 0.0f) return;
-        cpu::adam(params, grads, exp_avgs, exp_avg_sqs, lowp_params, opt, inv_scale.has_value(),
-                  inv_scale ? cpu_scalar(*inv_scale) : 1.0f);
+        const float inv = inv_scale ? cpu_scalar(*inv_scale) : 1.0f;
+        if (steps.empty()) {
+          cpu::adam(params, grads, exp_avgs, exp_avg_sqs, lowp_params, opt,
+                    inv_scale.has_value(), inv);
+          return;
+        }
+        // [Note: device step counters] fp32 += 1 as torch's `state_steps += 1`; params
+        // whose counters differ (a group that gained params later) run as separate calls.
+        std::vector<float> values(steps.size());
+        for (size_t i = 0; i < steps.size(); ++i) {
+          float* c = static_cast<float*>(steps[i].data_ptr());
+          *c += 1.0f;
+          values[i] = *c;
+        }
+        std::vector<bool> done(steps.size(), false);
+        for (size_t i = 0; i < steps.size(); ++i) {
+          if (done[i]) continue;
+          TensorVec p, g, m, v, lp;
+          for (size_t j = i; j < steps.size(); ++j) {
+            if (done[j] || values[j] != values[i]) continue;
+            done[j] = true;
+            p.push_back(params[j]);
+            g.push_back(grads[j]);
+            m.push_back(exp_avgs[j]);
+            v.push_back(exp_avg_sqs[j]);
+            if (!lowp_params.empty()) lp.push_back(lowp_params[j]);
+          }
+          AdamOptions o = opt;
+          o.step = values[i];
+          cpu::adam(p, g, m, v, lp, o, inv_scale.has_value(), inv);
+        }
       },
       [&](void* stream) {
 #if MIXPREC_WITH_CUDA
+        if (!steps.empty()) {
+          // Counters advance on the device: += 1, then -= found_inf (a skipped step).
+          at::_foreach_add_(steps, 1);
+          if (found_inf) at::_foreach_add_(steps, *found_inf, -1);
+        }
         cuda::adam(params, grads, exp_avgs, exp_avg_sqs, lowp_params, opt,
-                   inv_scale ? &*inv_scale : nullptr, found_inf ? &*found_inf : nullptr, stream);
+                   inv_scale ? &*inv_scale : nullptr, found_inf ? &*found_inf : nullptr, steps,
+                   stream);
 #endif
       });
   bump_versions({&params, &exp_avgs, &exp_avg_sqs, &lowp_params});
+  if (!steps.empty()) bump_versions({&steps});
 }
 
 void fused_sgd_(const TensorVec& params, const TensorVec& grads, const TensorVec& momentum_buffers,

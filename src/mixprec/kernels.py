@@ -166,9 +166,9 @@ def _with_grad(optimizer, keys) -> Optional[list]:
 
 
 def _buckets(keys: list, lists: Sequence[list]) -> dict:
-    """[Note: buckets] one kernel call per distinct key (step value, device,
-    has-lowp): params of a group that joined later carry a smaller step. The
-    common case, one key for the whole group, builds no per-param dict."""
+    """[Note: buckets] one kernel call per distinct key (device, has-lowp; SGD
+    also first-step). The common case, one key for the whole group, builds no
+    per-param dict."""
     first = keys[0]
     if all(k == first for k in keys):
         return {first: lists}
@@ -191,6 +191,11 @@ def _lowps(lowp_of: Optional[Mapping[int, Tensor]], ps: list) -> list:
 
 
 def _adam_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
+    # [Note: device step counters]
+    # Each param's "step" is an fp32 0-dim tensor on the param's device, as in torch's
+    # fused Adam. The kernel increments it and derives the bias corrections from it, and
+    # leaves it alone when found_inf is set: a skipped step needs no host read. (torch's
+    # default CPU-resident counters would force the host to know the outcome first.)
     groups = _with_grad(optimizer, ("exp_avg", "exp_avg_sq"))
     if groups is None:
         return False
@@ -204,31 +209,25 @@ def _adam_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
         sts = [state[p] for p in ps]
         for p, st in zip(ps, sts):
             if len(st) == 0:
-                # As torch.optim.Adam._init_group: step is a float32 CPU scalar.
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        steps = [st["step"] for st in sts]
-        if all(isinstance(t, Tensor) and t.dim() == 0 and t.device.type == "cpu"
-               for t in steps):
-            # One op for all counters (fp32 += 1 as torch), one read-back.
-            torch._foreach_add_(steps, 1)
-            values = torch.stack(steps).tolist()
-        else:
-            values = []
-            for st in sts:
-                st["step"] += 1
-                values.append(_scalar(st["step"]))
+            else:
+                step = st["step"]
+                if not (isinstance(step, Tensor) and step.dtype == torch.float32
+                        and step.device == p.device and step.numel() == 1):
+                    # A counter loaded from torch's layout (CPU) or a number: moved once.
+                    st["step"] = torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(())
         lps = _lowps(lowp_of, ps)
-        keys = [(float(v), p.device, lp is not None) for v, p, lp in zip(values, ps, lps)]
+        keys = [(p.device, lp is not None) for p, lp in zip(ps, lps)]
         lists = (ps, [p.grad.contiguous() for p in ps], [st["exp_avg"] for st in sts],
-                 [st["exp_avg_sq"] for st in sts], lps)
-        for (step, _, has_lp), (bps, gs, ms, vs, blps) in _buckets(keys, lists).items():
+                 [st["exp_avg_sq"] for st in sts], lps, [st["step"] for st in sts])
+        for (_, has_lp), (bps, gs, ms, vs, blps, steps) in _buckets(keys, lists).items():
             _C.fused_adam_(bps, gs, ms, vs, blps if has_lp else [], lr=_scalar(group["lr"]),
                            beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                           weight_decay=float(group["weight_decay"]), step=step,
-                           decoupled=decoupled, maximize=bool(group["maximize"]),
-                           inv_scale=_on(inv_scale, bps[0]), found_inf=None)
+                           weight_decay=float(group["weight_decay"]), decoupled=decoupled,
+                           maximize=bool(group["maximize"]), inv_scale=_on(inv_scale, bps[0]),
+                           found_inf=_on(found_inf, bps[0]), steps=[t.view(1) for t in steps])
     return True
 
 
@@ -249,8 +248,8 @@ def _sgd_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
                 buf = st.get("momentum_buffer")
                 if buf is None:
                     buf = torch.empty_like(p, memory_format=torch.contiguous_format)
-                    st["momentum_buffer"] = buf
                     firsts[i] = True
+                    st["momentum_buffer"] = buf
                 bufs.append(buf)
         lps = _lowps(lowp_of, ps)
         keys = [(f, p.device, lp is not None) for f, p, lp in zip(firsts, ps, lps)]
@@ -261,11 +260,28 @@ def _sgd_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
                           nesterov=bool(group["nesterov"]),
                           weight_decay=float(group["weight_decay"]),
                           maximize=bool(group["maximize"]), first_step=first,
-                          inv_scale=_on(inv_scale, bps[0]), found_inf=None)
+                          inv_scale=_on(inv_scale, bps[0]), found_inf=_on(found_inf, bps[0]))
     return True
 
 
+def _creates_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Some param with a gradient has no optimizer state (or SGD momentum buffer) yet."""
+    state = optimizer.state
+    sgd = type(optimizer) is torch.optim.SGD
+    for group in optimizer.param_groups:
+        if sgd and float(group["momentum"]) == 0:
+            continue
+        for p in group["params"]:
+            if p.grad is not None:
+                st = state.get(p)
+                if not st or (sgd and st.get("momentum_buffer") is None):
+                    return True
+    return False
+
+
 def _on(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+    # A view when already fp32 on that device: the kernel must read (and for found_inf,
+    # see) the engine's own flag, not a copy.
     return None if t is None else t.to(device=like.device, dtype=torch.float32).reshape(1)
 
 
@@ -281,9 +297,10 @@ def fused_optimizer_step(
 
     ``lowp_of`` maps ``id(param)`` to a bf16/fp16 tensor that receives the
     updated param in the same pass. Grads are multiplied by ``inv_scale`` first
-    when given. When ``found_inf`` is nonzero the step is skipped entirely
-    (state, step counts and params untouched) and True is returned: the step
-    was handled. Reading ``found_inf`` here is one host sync on accelerators.
+    when given. When ``found_inf`` is nonzero the kernels skip the step entirely
+    (state, step counters and params untouched), decided on the device: nothing
+    here reads ``found_inf`` ([Note: device step counters]), except on a step that
+    creates optimizer state (see ``_creates_state``).
     """
     if not supports_fused(optimizer):
         return False
@@ -291,7 +308,10 @@ def fused_optimizer_step(
         for lp in lowp_of.values():
             if lp.dtype not in (torch.bfloat16, torch.float16) or not lp.is_contiguous():
                 return False
-    if found_inf is not None and float(found_inf.item()) != 0.0:
+    if found_inf is not None and _creates_state(optimizer) and float(found_inf.item()) != 0.0:
+        # The first step of a param creates its state (and SGD's first step differs): it
+        # must know it is not skipped, so that a skipped first step leaves no state, as
+        # torch's. One host read on such steps only; every later step reads nothing.
         return True
     if type(optimizer) is torch.optim.SGD:
         return _sgd_step(optimizer, lowp_of, inv_scale, found_inf)

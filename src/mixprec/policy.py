@@ -80,8 +80,6 @@ class PrecisionPolicy:
     low-precision parameters are then updated in place."""
     reduce_dtype: torch.dtype = torch.float32
     """dtype gradients are reduced in across ranks."""
-    accumulate_dtype: torch.dtype = torch.float32
-    """dtype gradients are accumulated in across micro-batches."""
     output_dtype: Optional[torch.dtype] = torch.float32
     """Floating outputs of the prepared model are cast to this (None: left as computed)."""
     keep_fp32_modules: tuple[str, ...] = ()
@@ -97,7 +95,7 @@ class PrecisionPolicy:
 
     def __post_init__(self) -> None:
         floats = (torch.float32, torch.bfloat16, torch.float16)
-        for name in ("compute_dtype", "reduce_dtype", "accumulate_dtype"):
+        for name in ("compute_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value not in floats:
                 raise ValueError(f"PrecisionPolicy.{name}={value!r} is not one of {floats}")
@@ -127,6 +125,16 @@ class PrecisionPolicy:
             raise ValueError("fp16 parameters without fp32 masters are not supported: use 'fp16'")
 
     @property
+    def accumulate_dtype(self) -> torch.dtype:
+        """dtype gradients accumulate in across micro-batches: not a setting but a
+        consequence. Every engine accumulates into the fp32 master gradients (ddp folds
+        each backward into them, zero/fsdp into the fp32 shard), so it is fp32 whenever
+        there are masters, and the parameter dtype under a ``*-pure`` policy."""
+        if self.master_dtype is not None:
+            return self.master_dtype
+        return self.param_dtype if self.param_dtype is not None else torch.float32
+
+    @property
     def autocast_enabled(self) -> bool:
         """True when forward runs under autocast (compute dtype below fp32)."""
         return self.compute_dtype != torch.float32
@@ -149,7 +157,12 @@ class PrecisionPolicy:
                 compute_dtype=torch.bfloat16,
                 param_dtype=torch.bfloat16,
                 master_dtype=None,
-                accumulate_dtype=torch.bfloat16,
+            )
+        if "accumulate_dtype" in overrides:
+            raise ValueError(
+                f"accumulate_dtype={overrides['accumulate_dtype']!r} is not a setting: gradients "
+                "accumulate in the fp32 master gradients (in the parameter dtype under "
+                "'bf16-pure'); remove it, or choose master_dtype / mixed_precision instead"
             )
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:

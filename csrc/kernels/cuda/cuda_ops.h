@@ -18,9 +18,12 @@ int64_t l2_norm_num_partials(const TensorVec& tensors);
 void l2_norm(const TensorVec& tensors, const at::Tensor& partials, const at::Tensor& out,
              const at::Tensor* found_inf, void* stream);
 
+// steps: empty (bias corrections from opt.step) or one fp32 counter per param, already
+// incremented, read on the device.
 void adam(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_avgs,
           const TensorVec& exp_avg_sqs, const TensorVec& lowp_params, const AdamOptions& opt,
-          const at::Tensor* inv_scale, const at::Tensor* found_inf, void* stream);
+          const at::Tensor* inv_scale, const at::Tensor* found_inf, const TensorVec& steps,
+          void* stream);
 
 void sgd(const TensorVec& params, const TensorVec& grads, const TensorVec& momentum_buffers,
          const TensorVec& lowp_params, const SgdOptions& opt, const at::Tensor* inv_scale,

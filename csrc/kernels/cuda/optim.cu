@@ -14,12 +14,23 @@ struct AdamOp {
   const float* found_inf;
   const float* inv_scale;
   float decay, wd, w1, one_minus_w1, beta2, w2, bc2_sqrt, eps, neg_step_size;
+  double lr, beta1_d, beta2_d;  // for bias corrections from a device step counter
   bool maximize, decoupled, has_wd, w1_small;
 
-  // Slots: param, grad, exp_avg, exp_avg_sq, lowp (may be null).
-  __device__ void apply(const TensorListMeta<5>& m, int t, int64_t b, int64_t e, int64_t) const {
+  // Slots: param, grad, exp_avg, exp_avg_sq, lowp (may be null), step counter (may be
+  // null: then bc2_sqrt / neg_step_size were computed on the host from opt.step).
+  __device__ void apply(const TensorListMeta<6>& m, int t, int64_t b, int64_t e, int64_t) const {
     if (found_inf != nullptr && *found_inf != 0.f) return;
     const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
+    float bc2s = bc2_sqrt, nss = neg_step_size;
+    if (m.addr[5][t] != nullptr) {
+      // Same double arithmetic as the host path (csrc/kernels/cpu/adam.cpp).
+      const double step = static_cast<double>(*static_cast<const float*>(m.addr[5][t]));
+      const double bc1 = 1.0 - pow(beta1_d, step);
+      const double bc2 = 1.0 - pow(beta2_d, step);
+      bc2s = static_cast<float>(pow(bc2, 0.5));
+      nss = static_cast<float>(-(lr / bc1));
+    }
     float* p = static_cast<float*>(m.addr[0][t]);
     float* ea = static_cast<float*>(m.addr[2][t]);
     float* es = static_cast<float*>(m.addr[3][t]);
@@ -38,8 +49,8 @@ struct AdamOp {
       mv = w1_small ? __fmaf_rn(w1, diff, mv) : __fmaf_rn(-diff, one_minus_w1, g);
       float vv = __fmul_rn(es[i], beta2);
       vv = __fmaf_rn(__fmul_rn(w2, g), g, vv);
-      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vv), bc2_sqrt), eps);
-      pv = __fadd_rn(pv, __fdiv_rn(__fmul_rn(neg_step_size, mv), denom));
+      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vv), bc2s), eps);
+      pv = __fadd_rn(pv, __fdiv_rn(__fmul_rn(nss, mv), denom));
       p[i] = pv;
       ea[i] = mv;
       es[i] = vv;
@@ -84,7 +95,8 @@ struct SgdOp {
 
 void adam(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_avgs,
           const TensorVec& exp_avg_sqs, const TensorVec& lowp_params, const AdamOptions& o,
-          const at::Tensor* inv_scale, const at::Tensor* found_inf, void* stream) {
+          const at::Tensor* inv_scale, const at::Tensor* found_inf, const TensorVec& steps,
+          void* stream) {
   const double bc1 = 1.0 - std::pow(o.beta1, o.step);
   const double bc2 = 1.0 - std::pow(o.beta2, o.step);
   AdamOp op;
@@ -99,14 +111,18 @@ void adam(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_
   op.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
   op.eps = static_cast<float>(o.eps);
   op.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  op.lr = o.lr;
+  op.beta1_d = o.beta1;
+  op.beta2_d = o.beta2;
   op.maximize = o.maximize;
   op.decoupled = o.decoupled;
   op.has_wd = o.weight_decay != 0.0;
   op.w1_small = std::abs(op.w1) < 0.5f;
-  std::vector<std::array<Slot, 5>> slots;
+  std::vector<std::array<Slot, 6>> slots;
   std::vector<int64_t> numels;
-  make_slots<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &lowp_params}, &slots, &numels);
-  multi_tensor_apply<5>(slots, numels, op, stream);
+  make_slots<6>({&params, &grads, &exp_avgs, &exp_avg_sqs, &lowp_params, &steps}, &slots,
+                &numels);
+  multi_tensor_apply<6>(slots, numels, op, stream);
 }
 
 void sgd(const TensorVec& params, const TensorVec& grads, const TensorVec& momentum_buffers,

@@ -68,7 +68,7 @@ def save_accelerator_state(acc, target: Path, custom: list) -> Path:
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
                     "group_sizes": [len(g["params"]) for g in o.param_groups],
                     "skipped": o._state.skipped,
-                    "last": None if o._state.last is None else dataclasses.asdict(o._state.last),
+                    "last": None if o._state.last is None else o._state.last.as_dict(),
                 }
                 for o in acc._optimizers
             ],

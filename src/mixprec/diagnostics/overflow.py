@@ -128,8 +128,18 @@ class OverflowWatch:
         self.consecutive = 0  # overflow-skipped steps in a row so far
         self.scales: deque[Optional[float]] = deque(maxlen=budget)  # scales of those steps
         self.probes = ModuleProbes()
+        self.pending: deque = deque()  # results not looked at yet (accelerators: one step late)
 
     def after_step(self, optimizer: "PreparedOptimizer", result: "StepResult") -> None:
+        # Results are decided on the device ([Note: lazy step results] in step.py). On CPU
+        # they are known at once; on an accelerator each step looks at the previous step's
+        # result, which has long arrived by then, so the watch never stalls the device
+        # queue and every rank still sees the same step at the same call.
+        self.pending.append(result)
+        while self.pending and (self.pending[0].immediate() or len(self.pending) > 1):
+            self._account(self.pending.popleft())
+
+    def _account(self, result: "StepResult") -> None:
         if result.reason != "overflow":
             if self.consecutive:
                 self.consecutive = 0

@@ -9,6 +9,7 @@ Engines for other backends override the communication points (``no_sync``,
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fnmatch
@@ -21,7 +22,7 @@ from torch import nn
 from .. import _C, kernels
 from ..errors import NonFiniteGradientsError, UnscaledBackwardError
 from ..policy import PrecisionPolicy, dtype_name
-from ..step import NONFINITE_POLICIES, StepResult, check_clip_limit
+from ..step import NONFINITE_POLICIES, DeviceScalars, StepResult, check_clip_limit
 from ..utils import LOW_PRECISION
 from ..wrappers.model import AutocastGate, ForwardContext, swap_class
 
@@ -36,8 +37,30 @@ class OptimizerState:
         self.unscaled = False  # grads already unscaled (and checked) this step
         self.grad_norm: Optional[torch.Tensor] = None  # set by clip_grad_norm_ this step
         self.last: Optional[StepResult] = None  # outcome of the last real step
-        self.skipped = 0  # steps skipped for overflow / non-finite gradients so far
         self.steps = 0  # real step() calls so far (the number an error or warning names)
+        self._skipped_host = 0  # skips decided on the host
+        self._skipped_device: Optional[torch.Tensor] = None  # sum of device-decided skips
+        self.logged_skips = 0  # skipped steps logged so far (counted on the host as logged)
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped for overflow / non-finite gradients so far (reads the device count)."""
+        device = 0 if self._skipped_device is None else int(self._skipped_device.item())
+        return self._skipped_host + device
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self._skipped_host = int(value)
+        self._skipped_device = None
+
+    def count_skip(self, found_inf: Optional[torch.Tensor]) -> None:
+        """Add this step to the skip count: on the host (None) or as a device sum."""
+        if found_inf is None:
+            self._skipped_host += 1
+        elif self._skipped_device is None:
+            self._skipped_device = found_inf.detach().reshape(()).ne(0).to(torch.int64)
+        else:
+            self._skipped_device.add_(found_inf.detach().reshape(()).ne(0))
 
 
 class Engine:
@@ -76,6 +99,9 @@ class Engine:
         # [Note: non-finite guard]); fp16 uses the scaler's own found_inf.
         self._nonfinite_flag = torch.zeros(1, dtype=torch.float32, device=device)
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=device)
+        # Step results whose skips are not logged yet (see Engine._log_skips).
+        self._unlogged: collections.deque = collections.deque()
+        self._stepped_since_update: set[int] = set()  # [Note: one scaler update per iteration]
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -209,6 +235,10 @@ class Engine:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.scaler is None:
             return loss
+        if self._stepped_since_update:
+            # A new iteration while some optimizer did not step in the last one
+            # ([Note: one scaler update per iteration]).
+            self._update_scaler()
         self.scaled_backward = True
         return self.scaler.scale_loss(loss)
 
@@ -287,11 +317,23 @@ class Engine:
         )
 
     def step(self, state: OptimizerState, closure=None) -> StepResult:
-        """One optimizer step under the policy. Weights change only if it reports stepped."""
+        """One optimizer step under the policy. Weights change only if it reports stepped.
+
+        [Note: a step without host reads]
+        With a fused-eligible optimizer (torch Adam/AdamW/SGD) nothing here reads a device
+        value: the kernels skip the update on the device when found_inf is set (agreed
+        across ranks by the sharded engines, see [Note: found_inf agreement] in
+        engines/zero.py), the step counters advance on the device ([Note: device step
+        counters] in kernels.py), the scaler updates on the device, the skip count is a
+        device sum, and the StepResult holds snapshots read only when asked ([Note: lazy
+        step results] in step.py). Skipped steps are still logged: each step logs the
+        earlier results whose values have arrived (on CPU, at once). Three things need
+        the outcome on the host and read found_inf once: a closure, an optimizer the fused
+        kernels do not cover, and ``nonfinite_grads: raise`` (it must raise now).
+        """
         optimizer = state.optimizer
         self.fold_grads()
         state.steps += 1
-        loss_scale = None
         if self.scaler is not None:
             if closure is not None:
                 raise NotImplementedError(
@@ -305,44 +347,85 @@ class Engine:
                     "was applied. Use accelerator.backward(loss), or "
                     "accelerator.scale(loss).backward()."
                 )
-            self.unscale_(state)
-            loss_scale = self.scaler.scale_value()
-            overflow = bool(self.scaler.found_inf.item())
-        elif closure is None:
-            # With a closure the gradients are computed inside optimizer.step(): there is
-            # nothing to check before it.
-            self.unscale_(state)
-            overflow = bool(self._nonfinite_flag.item())
+        if closure is not None:
+            # The gradients are computed inside optimizer.step(): nothing to check before it.
+            self._apply_update(optimizer, closure, None)
+            result = StepResult(True, "ok", None, None)
+            self._end_step(state, result)
+            return result
+        self.unscale_(state)
+        skip_reason = "overflow" if self.scaler is not None else "nonfinite"
+        on_host = (self.scaler is None and self.nonfinite_grads == "raise") or not (
+            self._fused_eligible(optimizer))
+        if on_host:
+            result = self._step_decided_on_host(state, skip_reason)
         else:
-            overflow = False
-        norm = None if state.grad_norm is None else float(state.grad_norm)
-        if overflow and self.scaler is None:
-            self._end_step(state, StepResult(False, "nonfinite", None, norm))
-            state.skipped += 1
-            if self.nonfinite_grads == "raise":
-                raise NonFiniteGradientsError(
-                    f"optimizer step {state.steps}: non-finite (inf/nan) gradients under "
-                    f"mixed_precision={self.policy.name!r} (on at least one rank). Nothing was "
-                    "updated. Check this step's loss and inputs (torch.autograd.set_detect_anomaly "
-                    "finds the op), or set nonfinite_grads: skip to skip such steps",
-                    state.steps,
-                )
-            logger.warning(
-                "mixprec: optimizer step %d skipped: non-finite (inf/nan) gradients; weights, "
-                "fp32 masters and optimizer state unchanged (%d step(s) skipped so far)",
-                state.steps, state.skipped,
-            )
-            return state.last
-        if overflow:
-            result = StepResult(False, "overflow", loss_scale, norm)
-            state.skipped += 1
-        else:
-            self._apply_update(optimizer, closure)
-            result = StepResult(True, "ok", loss_scale, norm)
-        if self.scaler is not None:
-            self.scaler.update()
+            values = DeviceScalars({
+                "found_inf": self.found_inf,
+                "loss_scale": None if self.scaler is None else self.scaler.scale,
+                "grad_norm": state.grad_norm,
+            })
+            self._apply_update(optimizer, None, self.found_inf)
+            state.count_skip(self.found_inf)
+            result = StepResult.deferred(values, skip_reason)
+        self._unlogged.append((state, state.steps, result))
+        self._log_skips()
+        self._after_step(state)
         self._end_step(state, result)
+        if self.scaler is None and self.nonfinite_grads == "raise" and not result.stepped:
+            raise NonFiniteGradientsError(
+                f"optimizer step {state.steps}: non-finite (inf/nan) gradients under "
+                f"mixed_precision={self.policy.name!r} (on at least one rank). Nothing was "
+                "updated. Check this step's loss and inputs (torch.autograd.set_detect_anomaly "
+                "finds the op), or set nonfinite_grads: skip to skip such steps",
+                state.steps,
+            )
         return result
+
+    def _step_decided_on_host(self, state: OptimizerState, skip_reason: str) -> StepResult:
+        """The step when the host must know the outcome first (one read of found_inf)."""
+        loss_scale = self.scaler.scale_value() if self.scaler is not None else None
+        norm = None if state.grad_norm is None else float(state.grad_norm)
+        if bool(self.found_inf.item()):
+            state.count_skip(None)
+            return StepResult(False, skip_reason, loss_scale, norm)
+        self._apply_update(state.optimizer, None, None)
+        return StepResult(True, "ok", loss_scale, norm)
+
+    def _log_skips(self) -> None:
+        """Log the skipped steps among the results whose values have arrived, in order."""
+        pending = self._unlogged
+        while pending and pending[0][2].ready():
+            state, number, result = pending.popleft()
+            if result.stepped:
+                continue
+            state.logged_skips += 1
+            if result.reason == "overflow":
+                logger.info("mixprec: optimizer step %d skipped: fp16 overflow at loss scale %g",
+                            number, result.loss_scale)
+            else:
+                logger.warning(
+                    "mixprec: optimizer step %d skipped: non-finite (inf/nan) gradients; weights, "
+                    "fp32 masters and optimizer state unchanged (%d step(s) skipped so far)",
+                    number, state.logged_skips,
+                )
+
+    def _after_step(self, state: OptimizerState) -> None:
+        """[Note: one scaler update per iteration]
+        The scale moves once per iteration however many optimizers step: after the last
+        prepared optimizer has stepped, or, when some optimizer does not step every
+        iteration, at the next scaled backward. Until then found_inf is kept, so an
+        overflow seen by an earlier optimizer's gradients skips the later ones too (their
+        states stay consistent with one scale)."""
+        if self.scaler is None:
+            return
+        self._stepped_since_update.add(id(state.optimizer))
+        if self._stepped_since_update >= set(self.optimizers):
+            self._update_scaler()
+
+    def _update_scaler(self) -> None:
+        self.scaler.update()
+        self._stepped_since_update.clear()
 
     def _end_step(self, state: OptimizerState, result: StepResult) -> None:
         state.unscaled = False
@@ -354,13 +437,16 @@ class Engine:
             # of them at once): cleared when the last of them has stepped.
             self._nonfinite_flag.zero_()
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, closure) -> None:
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf) -> None:
+        """The update, skipped on the device when ``found_inf`` is set (fused kernels)."""
         if closure is None and self._fused_eligible(optimizer):
-            if kernels.fused_optimizer_step(optimizer, lowp_of=self.lowp_of):
+            if kernels.fused_optimizer_step(optimizer, lowp_of=self.lowp_of, found_inf=found_inf):
                 # LRScheduler watches optimizer.step() through this flag to warn about
                 # calling scheduler.step() first; the fused path did step.
                 optimizer._opt_called = True
                 return
+        if found_inf is not None and bool(found_inf.item()):
+            return  # the fused kernels declined this state layout: decided on the host
         optimizer.step(closure)
         self.write_back(optimizer)
 

@@ -113,6 +113,7 @@ class ZeroEngine(Engine):
         self.cores_of_opt: dict[int, list[_C.ShardedCore]] = {}  # id(optimizer) -> cores
         self.segment_lowp: dict[int, torch.Tensor] = {}  # id(master segment) -> lowp view
         self._found_inf_agreed = False  # found_inf already all-reduced this step
+        self._folded = False  # fold_grads() ran since the last backward / step
 
     # ------------------------------------------------------------------ models
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
@@ -214,6 +215,7 @@ class ZeroEngine(Engine):
     def zero_model_grads(self, model: nn.Module) -> None:
         for core in self._cores(model):
             core.zero_grad()
+        self._folded = False
 
     def full_state_dict(self, model: nn.Module) -> dict:
         """``model.state_dict()`` with fp32 parameters gathered from the master shards.
@@ -279,10 +281,16 @@ class ZeroEngine(Engine):
     # ------------------------------------------------------------------ steps
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         # No fold: the C++ hooks already moved the gradients into buckets or shards.
+        self._folded = False
         self.scale_loss(loss).backward(**kwargs)
 
     def fold_grads(self) -> None:
-        """Finish any pending reduction and show the optimizers their gradient shards."""
+        """Finish any pending reduction and show the optimizers their gradient shards.
+        Done once between a backward and the end of the step (clip, unscale and step all
+        ask for it; the later calls cost nothing and cross into C++ no more)."""
+        if self._folded:
+            return
+        self._folded = True
         for core in self._all_cores():
             core.reduce()
         for opt_id, segments in self.segments.items():
@@ -370,7 +378,7 @@ class ZeroEngine(Engine):
         flag = self.found_inf.double().reshape(())
         packet = torch.stack([local.to(self.device).reshape(()), flag.to(self.device)])
         dist.all_reduce(packet, op=op, group=self.group)
-        self.found_inf.fill_(1.0 if packet[1].item() > 0 else 0.0)
+        self.found_inf.copy_(packet[1:2].gt(0))  # on the device: no host read
         self._found_inf_agreed = True
         total = (packet[0] if p == math.inf else packet[0] ** (1.0 / p)).float()
         clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
@@ -399,14 +407,20 @@ class ZeroEngine(Engine):
             return super().step(state, closure)
         finally:
             self._found_inf_agreed = False
+            self._folded = False
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, closure) -> None:
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf) -> None:
         refresh = True
-        if self._fused_eligible(optimizer) and kernels.fused_optimizer_step(optimizer, lowp_of=self.segment_lowp):
+        if self._fused_eligible(optimizer) and kernels.fused_optimizer_step(
+                optimizer, lowp_of=self.segment_lowp, found_inf=found_inf):
             optimizer._opt_called = True  # the LRScheduler order check watches this flag
             refresh = False  # the fused kernel already wrote the low-precision shards
+        elif found_inf is not None and bool(found_inf.item()):
+            return  # declined by the fused kernels and skipped: decided on the host
         else:
             optimizer.step()
+        # A skipped fused step left the shards unchanged: gathering them again rewrites
+        # the same values, so the skip needs no host decision here either.
         self._publish(optimizer, refresh)
 
     def write_back(self, optimizer: torch.optim.Optimizer) -> None:
@@ -426,6 +440,7 @@ class ZeroEngine(Engine):
         state.optimizer.zero_grad(set_to_none=set_to_none)
         for core in self.cores_of_opt[id(state.optimizer)]:
             core.zero_grad()
+        self._folded = False
 
     # ------------------------------------------------------------ reporting
     def bytes_communicated_last_step(self) -> dict:

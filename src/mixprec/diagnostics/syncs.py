@@ -1,0 +1,104 @@
+"""Count what a training step costs the host: scalar reads and Python -> C++ crossings.
+
+[Note: counting host syncs]
+On an accelerator every device-to-host read stalls the host until the device queue has
+drained, so a step that reads one flag cannot run ahead of the GPU. :class:`ScalarReads`
+counts those reads the way the dispatcher sees them, whatever issued them (Python, torch
+or mixprec's C++, which dispatches ``item<T>()`` through the same operator):
+``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``), ``aten.is_nonzero``,
+``aten.equal``, and copies whose source is on an accelerator and whose destination is on
+the CPU (``.cpu()``, ``.tolist()`` on CUDA tensors). On a CPU-only machine the same
+operators are counted, so a CPU test proves the step issues none of them; a read done in
+C++ through a raw pointer on a CPU tensor is not a read of device memory and is not
+counted (mixprec's kernels read ``found_inf`` that way on CPU and on the device on CUDA).
+
+:class:`Crossings` counts calls from Python into ``mixprec._C`` (functions and methods of
+its classes) with ``sys.setprofile``, per name.
+
+Example::
+
+    with ScalarReads() as reads, Crossings() as calls:
+        train_step()
+    reads.count, reads.by_op          # 0, {}
+    calls.count, calls.by_name        # 3, {'ShardedCore.reduce': 1, ...}
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_READ_OPS = {
+    "aten::_local_scalar_dense",
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::item",
+}
+
+
+def _device_of(x) -> torch.device | None:
+    return x.device if isinstance(x, torch.Tensor) else None
+
+
+class ScalarReads(TorchDispatchMode):
+    """Dispatch mode counting device-to-host reads (see [Note: counting host syncs])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: Counter = Counter()  # operator name -> reads
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in _READ_OPS:
+            self.by_op[name] += 1
+        elif name in ("aten::_to_copy", "aten::copy_"):
+            self._count_copy(name, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count_copy(self, name, func, args, kwargs) -> None:
+        if name == "aten::copy_":
+            dst, src = args[0], args[1]
+            dst_dev, src_dev = _device_of(dst), _device_of(src)
+        else:
+            src_dev = _device_of(args[0])
+            dst_dev = kwargs.get("device") or src_dev
+            dst_dev = torch.device(dst_dev) if dst_dev is not None else None
+        if src_dev is not None and dst_dev is not None and src_dev.type != "cpu" \
+                and dst_dev.type == "cpu" and src_dev.type != "meta":
+            self.by_op[f"{name} ({src_dev.type}->cpu)"] += 1
+
+
+class Crossings:
+    """Context manager counting Python -> ``mixprec._C`` calls, by name."""
+
+    def __init__(self) -> None:
+        self.by_name: Counter = Counter()
+        self._previous = None
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_name.values())
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "c_call" and getattr(arg, "__module__", None) == "mixprec._C":
+            owner = getattr(arg, "__self__", None)
+            if owner is not None and type(owner).__module__ == "mixprec._C":
+                self.by_name[f"{type(owner).__name__}.{arg.__name__}"] += 1
+            else:
+                self.by_name[arg.__name__] += 1
+
+    def __enter__(self) -> "Crossings":
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)

@@ -1,0 +1,70 @@
+"""A training step reads no device value on the host ([Note: a step without host reads] in
+src/mixprec/engines/base.py), on every backend, in bf16 and fp16, and crosses into C++ a
+bounded number of times. Counted with src/mixprec/diagnostics/syncs.py; the skip and
+overflow outcomes are still right (checked by reading the lazy results afterwards)."""
+
+import pytest
+
+from harness import run_distributed
+
+# Python -> mixprec._C calls per step (forward + backward + clip + step + zero_grad) on the
+# model below, measured when this test was written; a change that adds crossings fails
+# here and must update the bound on purpose. Before the one-read-free step they were
+# (bf16/fp16): single 3/7, ddp 4/8, zero1 and zero2 14/18, zero3 and fsdp 16/20 (TinyLM).
+MAX_CROSSINGS = {"single": (3, 6), "ddp": (4, 7), "zero1": (8, 11), "zero2": (8, 11),
+                 "zero3": (10, 13), "fsdp": (10, 13)}
+
+
+def _count(state, backend, precisions):
+    import torch
+
+    from _helpers import loss_fn, make_transformer, transformer_batches
+    from mixprec import Accelerator
+    from mixprec.diagnostics.syncs import Crossings, ScalarReads
+
+    out = {}
+    for precision in precisions:
+        options = {"check_unit_order": False} if backend in ("zero3", "fsdp") else {}
+        acc = Accelerator(mixed_precision=precision, backend=backend, cpu=True, log_policy=False,
+                          engine_options=options)
+        model = make_transformer(seed=0)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        batches = transformer_batches(6, seed=10 + state.rank)
+        results = []
+
+        def step(x, y, poison=False):
+            loss = loss_fn(model(x), y)
+            if poison:
+                loss = loss * float("inf")
+            acc.backward(loss)
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            results.append(opt.step())
+            opt.zero_grad()
+
+        for x, y in batches[:2]:  # the first step creates optimizer state
+            step(x, y)
+        with ScalarReads() as reads, Crossings() as calls:
+            for x, y in batches[2:5]:
+                step(x, y)
+            # A step poisoned on the last rank only: skipped everywhere, still no read.
+            step(*batches[5], poison=state.rank == state.world_size - 1)
+        out[precision] = {
+            "reads": dict(reads.by_op), "crossings": calls.count / 4,
+            "outcomes": [(r.stepped, r.reason) for r in results],
+            "skipped": acc.skipped_steps,
+        }
+    return out
+
+
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"])
+def test_no_host_read_per_step(backend):
+    world = 1 if backend == "single" else 2
+    per_rank = run_distributed(_count, world, args=(backend, ("bf16", "fp16")))
+    for rank, out in enumerate(per_rank):
+        for i, precision in enumerate(("bf16", "fp16")):
+            got = out[precision]
+            assert got["reads"] == {}, (rank, precision, got["reads"])
+            assert got["crossings"] <= MAX_CROSSINGS[backend][i], (rank, precision, got["crossings"])
+            skip = "nonfinite" if precision == "bf16" else "overflow"
+            assert got["outcomes"] == [(True, "ok")] * 5 + [(False, skip)], (rank, precision)
+            assert got["skipped"] == 1

@@ -8,7 +8,7 @@ DEPS   := $(VENV)/.deps-stamp
 # Pinned: `pip install torch` alone would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: install
 bench: install
 	$(BIN)/pip install -q ".[bench]"
 	$(BIN)/python benchmarks/run_all.py
+
+# Needs a CUDA device (exits 2 without one); not part of `make test` or CI.
+gpu-check:
+	bash .ci/gpu_check.sh
 
 clean:
 	rm -rf build $(VENV)

@@ -21,6 +21,8 @@
 
 #include <c10/core/ScalarType.h>
 
+#include "kernels/functors.h"
+
 #include <array>
 #include <cstdint>
 #include <vector>
@@ -50,16 +52,7 @@ struct Plan {
   int64_t total = 0;
 };
 
-// fp32 scalars of one Adam step, computed once by cpu::adam (see adam.cpp).
-struct AdamScalars {
-  float inv_scale, decay, wd, w1, one_minus_w1, beta2, w2, bc2_sqrt, eps, neg_step_size;
-  bool has_inv_scale, maximize, decoupled, has_wd, w1_small;
-};
-
-struct SgdScalars {
-  float inv_scale, wd, momentum, one_minus_dampening, neg_lr;
-  bool has_inv_scale, maximize, has_wd, has_momentum, nesterov, first_step;
-};
+// AdamScalars / SgdScalars: kernels/functors.h (shared with the CUDA kernels).
 
 // The item functions: each runs items [b, e) of a plan on the calling thread.
 using AdamItemsFn = void (*)(const Plan<5>&, int64_t, int64_t, const AdamScalars&);

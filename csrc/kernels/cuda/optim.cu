@@ -1,56 +1,57 @@
-// Fused Adam/AdamW and SGD steps (CUDA). Same op order and roundings as the
-// CPU kernels ([Note: Adam op order], [Note: SGD op order]); a set found_inf
+// Fused Adam/AdamW and SGD steps (CUDA). The per-element arithmetic is the CPU
+// kernels' own (kernels/functors.h, [Note: shared functors]); a set found_inf
 // makes every block return before writing ([Note: skipped steps]), so
 // skipping needs no host sync.
 #include <cmath>
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/multi_tensor_apply.cuh"
+#include "kernels/functors.h"
 
 namespace mixprec::kernels::cuda {
 namespace {
 
+// The arithmetic policy of kernels/functors.h on the device: every op rounded once,
+// explicitly, so nvcc cannot contract a multiply and an add ([Note: shared functors]).
+struct CudaArith {
+  using V = float;
+  static __device__ __forceinline__ V splat(float x) { return x; }
+  static __device__ __forceinline__ V mul(V a, V b) { return __fmul_rn(a, b); }
+  static __device__ __forceinline__ V add(V a, V b) { return __fadd_rn(a, b); }
+  static __device__ __forceinline__ V sub(V a, V b) { return __fsub_rn(a, b); }
+  static __device__ __forceinline__ V div(V a, V b) { return __fdiv_rn(a, b); }
+  static __device__ __forceinline__ V fma(V a, V b, V c) { return __fmaf_rn(a, b, c); }
+  static __device__ __forceinline__ V neg(V a) { return -a; }
+  static __device__ __forceinline__ V sqrt(V a) { return __fsqrt_rn(a); }
+};
+
 struct AdamOp {
   const float* found_inf;
   const float* inv_scale;
-  float decay, wd, w1, one_minus_w1, beta2, w2, bc2_sqrt, eps, neg_step_size;
-  double lr, beta1_d, beta2_d;  // for bias corrections from a device step counter
-  bool maximize, decoupled, has_wd, w1_small;
+  AdamScalars s;                // inv_scale / bias terms filled in per block below
+  double lr, beta1, beta2;      // for bias corrections from a device step counter
 
   // Slots: param, grad, exp_avg, exp_avg_sq, lowp (may be null), step counter (may be
-  // null: then bc2_sqrt / neg_step_size were computed on the host from opt.step).
+  // null: then s.bc2_sqrt / s.neg_step_size were computed on the host from opt.step).
   __device__ void apply(const TensorListMeta<6>& m, int t, int64_t b, int64_t e, int64_t) const {
     if (found_inf != nullptr && *found_inf != 0.f) return;
-    const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
-    float bc2s = bc2_sqrt, nss = neg_step_size;
+    AdamScalars ls = s;
+    if (inv_scale != nullptr) ls.inv_scale = *inv_scale;
     if (m.addr[5][t] != nullptr) {
-      // Same double arithmetic as the host path (csrc/kernels/cpu/adam.cpp).
+      // The double arithmetic of the host path (csrc/kernels/cpu/adam.cpp).
       const double step = static_cast<double>(*static_cast<const float*>(m.addr[5][t]));
-      const double bc1 = 1.0 - pow(beta1_d, step);
-      const double bc2 = 1.0 - pow(beta2_d, step);
-      bc2s = static_cast<float>(pow(bc2, 0.5));
-      nss = static_cast<float>(-(lr / bc1));
+      const double bc1 = 1.0 - pow(beta1, step);
+      const double bc2 = 1.0 - pow(beta2, step);
+      ls.bc2_sqrt = static_cast<float>(pow(bc2, 0.5));
+      ls.neg_step_size = static_cast<float>(-(lr / bc1));
     }
     float* p = static_cast<float*>(m.addr[0][t]);
     float* ea = static_cast<float*>(m.addr[2][t]);
     float* es = static_cast<float*>(m.addr[3][t]);
     void* lp = m.addr[4][t];
     for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) {
-      float g = load_f(m.addr[1][t], i, m.code[1][t]);
-      if (inv_scale != nullptr) g = __fmul_rn(g, inv);
-      if (maximize) g = -g;
-      float pv = p[i];
-      if (has_wd) {
-        if (decoupled) pv = __fmul_rn(pv, decay);
-        else g = __fmaf_rn(pv, wd, g);
-      }
-      float mv = ea[i];
-      const float diff = __fsub_rn(g, mv);
-      mv = w1_small ? __fmaf_rn(w1, diff, mv) : __fmaf_rn(-diff, one_minus_w1, g);
-      float vv = __fmul_rn(es[i], beta2);
-      vv = __fmaf_rn(__fmul_rn(w2, g), g, vv);
-      const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vv), bc2s), eps);
-      pv = __fadd_rn(pv, __fdiv_rn(__fmul_rn(nss, mv), denom));
+      float pv = p[i], mv = ea[i], vv = es[i];
+      functors::adam<CudaArith>(pv, load_f(m.addr[1][t], i, m.code[1][t]), mv, vv, ls);
       p[i] = pv;
       ea[i] = mv;
       es[i] = vv;
@@ -62,29 +63,25 @@ struct AdamOp {
 struct SgdOp {
   const float* found_inf;
   const float* inv_scale;
-  float wd, momentum, one_minus_dampening, neg_lr;
-  bool maximize, has_wd, has_momentum, nesterov, first_step;
+  SgdScalars s;
 
   // Slots: param, grad, momentum buffer (null without momentum), lowp (may be null).
   __device__ void apply(const TensorListMeta<4>& m, int t, int64_t b, int64_t e, int64_t) const {
     if (found_inf != nullptr && *found_inf != 0.f) return;
-    const float inv = inv_scale != nullptr ? *inv_scale : 1.f;
+    SgdScalars ls = s;
+    if (inv_scale != nullptr) ls.inv_scale = *inv_scale;
     float* p = static_cast<float*>(m.addr[0][t]);
     float* buf = static_cast<float*>(m.addr[2][t]);
     void* lp = m.addr[3][t];
     for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) {
-      float g = load_f(m.addr[1][t], i, m.code[1][t]);
-      if (inv_scale != nullptr) g = __fmul_rn(g, inv);
-      if (maximize) g = -g;
       float pv = p[i];
-      if (has_wd) g = __fmaf_rn(pv, wd, g);
-      if (has_momentum) {
-        const float bv =
-            first_step ? g : __fmaf_rn(g, one_minus_dampening, __fmul_rn(buf[i], momentum));
+      const float g = functors::sgd_grad<CudaArith>(load_f(m.addr[1][t], i, m.code[1][t]), pv, ls);
+      float bv = g;
+      if (ls.has_momentum) {
+        if (!ls.first_step) bv = functors::sgd_momentum<CudaArith>(g, buf[i], ls);
         buf[i] = bv;
-        g = nesterov ? __fmaf_rn(bv, momentum, g) : bv;
       }
-      pv = __fmaf_rn(g, neg_lr, pv);
+      pv = functors::sgd_param<CudaArith>(pv, functors::sgd_direction<CudaArith>(g, bv, ls), ls);
       p[i] = pv;
       if (lp != nullptr) store_f(lp, i, m.code[3][t], pv);
     }
@@ -102,22 +99,25 @@ void adam(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_
   AdamOp op;
   op.found_inf = f32_ptr(found_inf);
   op.inv_scale = f32_ptr(inv_scale);
-  op.decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
-  op.wd = static_cast<float>(o.weight_decay);
-  op.w1 = static_cast<float>(1.0 - o.beta1);
-  op.one_minus_w1 = 1.0f - op.w1;
-  op.beta2 = static_cast<float>(o.beta2);
-  op.w2 = static_cast<float>(1.0 - o.beta2);
-  op.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
-  op.eps = static_cast<float>(o.eps);
-  op.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  AdamScalars& s = op.s;
+  s.inv_scale = 1.0f;
+  s.decay = static_cast<float>(1.0 - o.lr * o.weight_decay);
+  s.wd = static_cast<float>(o.weight_decay);
+  s.w1 = static_cast<float>(1.0 - o.beta1);
+  s.one_minus_w1 = 1.0f - s.w1;
+  s.beta2 = static_cast<float>(o.beta2);
+  s.w2 = static_cast<float>(1.0 - o.beta2);
+  s.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+  s.eps = static_cast<float>(o.eps);
+  s.neg_step_size = static_cast<float>(-(o.lr / bc1));
+  s.has_inv_scale = inv_scale != nullptr;
+  s.maximize = o.maximize;
+  s.decoupled = o.decoupled;
+  s.has_wd = o.weight_decay != 0.0;
+  s.w1_small = std::abs(s.w1) < 0.5f;
   op.lr = o.lr;
-  op.beta1_d = o.beta1;
-  op.beta2_d = o.beta2;
-  op.maximize = o.maximize;
-  op.decoupled = o.decoupled;
-  op.has_wd = o.weight_decay != 0.0;
-  op.w1_small = std::abs(op.w1) < 0.5f;
+  op.beta1 = o.beta1;
+  op.beta2 = o.beta2;
   std::vector<std::array<Slot, 6>> slots;
   std::vector<int64_t> numels;
   make_slots<6>({&params, &grads, &exp_avgs, &exp_avg_sqs, &lowp_params, &steps}, &slots,
@@ -131,15 +131,18 @@ void sgd(const TensorVec& params, const TensorVec& grads, const TensorVec& momen
   SgdOp op;
   op.found_inf = f32_ptr(found_inf);
   op.inv_scale = f32_ptr(inv_scale);
-  op.wd = static_cast<float>(o.weight_decay);
-  op.momentum = static_cast<float>(o.momentum);
-  op.one_minus_dampening = static_cast<float>(1.0 - o.dampening);
-  op.neg_lr = static_cast<float>(-o.lr);
-  op.maximize = o.maximize;
-  op.has_wd = o.weight_decay != 0.0;
-  op.has_momentum = o.momentum != 0.0;
-  op.nesterov = o.nesterov;
-  op.first_step = o.first_step;
+  SgdScalars& s = op.s;
+  s.inv_scale = 1.0f;
+  s.wd = static_cast<float>(o.weight_decay);
+  s.momentum = static_cast<float>(o.momentum);
+  s.one_minus_dampening = static_cast<float>(1.0 - o.dampening);
+  s.neg_lr = static_cast<float>(-o.lr);
+  s.has_inv_scale = inv_scale != nullptr;
+  s.maximize = o.maximize;
+  s.has_wd = o.weight_decay != 0.0;
+  s.has_momentum = o.momentum != 0.0;
+  s.nesterov = o.nesterov;
+  s.first_step = o.first_step;
   std::vector<std::array<Slot, 4>> slots;
   std::vector<int64_t> numels;
   make_slots<4>({&params, &grads, &momentum_buffers, &lowp_params}, &slots, &numels);

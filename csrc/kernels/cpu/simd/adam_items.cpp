@@ -7,24 +7,8 @@ namespace {
 template <class G, class L>
 C10_ALWAYS_INLINE void adam_vec(float* p, const G* g, float* m, float* v, L* lp, int64_t n,
                                 const AdamScalars& s) {
-  fVec gv = load_f(g, n);
-  if (s.has_inv_scale) gv = gv * fVec(s.inv_scale);
-  if (s.maximize) gv = gv.neg();
-  fVec pv = load_f(p, n);
-  if (s.has_wd) {
-    if (s.decoupled) {
-      pv = pv * fVec(s.decay);
-    } else {
-      gv = fma_exact(pv, fVec(s.wd), gv);
-    }
-  }
-  fVec mv = load_f(m, n);
-  const fVec diff = gv - mv;
-  mv = s.w1_small ? fma_exact(fVec(s.w1), diff, mv) : fma_exact(diff.neg(), fVec(s.one_minus_w1), gv);
-  fVec vv = load_f(v, n) * fVec(s.beta2);
-  vv = fma_exact(fVec(s.w2) * gv, gv, vv);
-  const fVec denom = vv.sqrt() / fVec(s.bc2_sqrt) + fVec(s.eps);
-  pv = pv + (fVec(s.neg_step_size) * mv) / denom;
+  fVec pv = load_f(p, n), mv = load_f(m, n), vv = load_f(v, n);
+  functors::adam<VecArith>(pv, load_f(g, n), mv, vv, s);
   store_f(p, pv, n);
   store_f(m, mv, n);
   store_f(v, vv, n);

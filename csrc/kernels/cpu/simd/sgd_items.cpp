@@ -7,19 +7,14 @@ namespace {
 template <class G, class L>
 C10_ALWAYS_INLINE void sgd_vec(float* p, const G* g, float* buf, L* lp, int64_t n,
                                const SgdScalars& s) {
-  fVec gv = load_f(g, n);
-  if (s.has_inv_scale) gv = gv * fVec(s.inv_scale);
-  if (s.maximize) gv = gv.neg();
   fVec pv = load_f(p, n);
-  if (s.has_wd) gv = fma_exact(pv, fVec(s.wd), gv);
+  fVec gv = functors::sgd_grad<VecArith>(load_f(g, n), pv, s);
+  fVec bv = gv;
   if (s.has_momentum) {
-    fVec bv = s.first_step
-                  ? gv
-                  : fma_exact(gv, fVec(s.one_minus_dampening), load_f(buf, n) * fVec(s.momentum));
+    if (!s.first_step) bv = functors::sgd_momentum<VecArith>(gv, load_f(buf, n), s);
     store_f(buf, bv, n);
-    gv = s.nesterov ? fma_exact(bv, fVec(s.momentum), gv) : bv;
   }
-  pv = fma_exact(gv, fVec(s.neg_lr), pv);
+  pv = functors::sgd_param<VecArith>(pv, functors::sgd_direction<VecArith>(gv, bv, s), s);
   store_f(p, pv, n);
   if constexpr (!std::is_same_v<L, NoLowp>) store_f(lp, pv, n);
 }

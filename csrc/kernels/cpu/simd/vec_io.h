@@ -132,6 +132,19 @@ C10_ALWAYS_INLINE fVec fma_exact(const fVec& a, const fVec& b, const fVec& c) {
 #endif
 }
 
+// The arithmetic policy of kernels/functors.h for this capability ([Note: shared functors]).
+struct VecArith {
+  using V = fVec;
+  static C10_ALWAYS_INLINE V splat(float x) { return fVec(x); }
+  static C10_ALWAYS_INLINE V mul(const V& a, const V& b) { return a * b; }
+  static C10_ALWAYS_INLINE V add(const V& a, const V& b) { return a + b; }
+  static C10_ALWAYS_INLINE V sub(const V& a, const V& b) { return a - b; }
+  static C10_ALWAYS_INLINE V div(const V& a, const V& b) { return a / b; }
+  static C10_ALWAYS_INLINE V fma(const V& a, const V& b, const V& c) { return fma_exact(a, b, c); }
+  static C10_ALWAYS_INLINE V neg(const V& a) { return a.neg(); }
+  static C10_ALWAYS_INLINE V sqrt(const V& a) { return a.sqrt(); }
+};
+
 // NaN in a lane once any value added to it was inf or nan (x - x is 0 otherwise).
 C10_ALWAYS_INLINE fVec nonfinite_acc(const fVec& acc, const fVec& x) { return acc + (x - x); }
 

@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 

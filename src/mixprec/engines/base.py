@@ -1,30 +1,31 @@
-"""The engine contract, and the per-step precision machinery every engine shares.
+"""The engine contract: what happens to parameters and gradients between ``prepare()``
+and the end of ``optimizer.step()``.
 
-An engine owns what happens to parameters and gradients between ``prepare()`` and the
-end of ``optimizer.step()``: fp32 masters, loss scaling, unscale + overflow check,
-gradient norm, the optimizer update and the write-back of low-precision weights.
-Engines for other backends override the communication points (``no_sync``,
-``reduce_gradients``, ``all_reduce_found_inf``) and keep the precision rules.
+An engine composes the precision layer (``self.precision``, engines/precision.py: masters,
+loss scaler, non-finite flag, forward context, unscale and clip arithmetic) with the
+communication of its backend. This base class is the single-process engine; ddp adds the
+Reducer (engines/ddp.py), zero/fsdp the sharding core (engines/zero.py). They override the
+communication points (``prepare_model``, ``fold_grads``, ``no_sync``, ``unscale_`` for the
+found_inf agreement, ``clip_grad_norm_`` for a sharded norm, ``_apply_update`` for the
+all-gather) and keep the step itself (``step``, [Note: a step without host reads]).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import fnmatch
 import logging
 from typing import ClassVar, Iterable, Optional
 
 import torch
 from torch import nn
 
-from .. import _C, kernels
+from .. import kernels
 from ..errors import NonFiniteGradientsError, UnscaledBackwardError
-from ..policy import PrecisionPolicy, dtype_name
-from ..step import NONFINITE_POLICIES, DeviceScalars, StepResult, check_clip_limit
-from ..utils import LOW_PRECISION
-from ..wrappers.model import AutocastGate, ForwardContext, swap_class
+from ..policy import PrecisionPolicy
+from ..step import DeviceScalars, StepResult, check_clip_limit
+from ..wrappers.model import AutocastGate
+from .precision import Precision
 
 logger = logging.getLogger("mixprec")
 
@@ -83,36 +84,21 @@ class Engine:
         self.policy = policy  # resolved precision policy
         self.device = device  # where parameters and gradients live
         self.fused_optimizer = fused_optimizer  # use the C++ fused Adam/AdamW/SGD when eligible
-        self.scaler: Optional[_C.GradScaler] = None  # dynamic loss scaler (fp16 only)
-        if policy.loss_scaling:
-            options = _C.ScalerOptions(**dataclasses.asdict(policy.scaler))
-            self.scaler = _C.GradScaler(options, device)
-        self.masters: list[_C.MasterWeights] = []  # one per prepared model with low-precision params
-        self.master_of: dict[int, torch.Tensor] = {}  # id(model param) -> its fp32 master
-        self.lowp_of: dict[int, torch.Tensor] = {}  # id(master) -> the model param it refreshes
+        self.precision = Precision(policy, device)  # [Note: precision layer] in precision.py
         self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
-        self.scaled_backward = False  # a backward went through the scaler since the last step
-        # What a bf16/fp32 step does with non-finite gradients: "skip" or "raise" (config
-        # field nonfinite_grads; fp16 overflows are the loss scaler's business).
-        self.nonfinite_grads = "skip"
-        # bf16/fp32: the flag the unscale kernel sets, run with scale 1 (see
-        # [Note: non-finite guard]); fp16 uses the scaler's own found_inf.
-        self._nonfinite_flag = torch.zeros(1, dtype=torch.float32, device=device)
-        self._unit_scale = torch.ones(1, dtype=torch.float32, device=device)
         # Step results whose skips are not logged yet (see Engine._log_skips).
         self._unlogged: collections.deque = collections.deque()
-        self._stepped_since_update: set[int] = set()  # [Note: one scaler update per iteration]
 
-    @property
-    def found_inf(self) -> torch.Tensor:
-        """1-element fp32 flag, nonzero when this step's gradients held inf/nan (the loss
-        scaler's own flag under fp16)."""
-        return self.scaler.found_inf if self.scaler is not None else self._nonfinite_flag
+    # The precision layer's state, read through the engine (one owner: self.precision).
+    scaler = property(lambda self: self.precision.scaler)
+    masters = property(lambda self: self.precision.masters)
+    master_of = property(lambda self: self.precision.master_of)
+    lowp_of = property(lambda self: self.precision.lowp_of)
+    found_inf = property(lambda self: self.precision.found_inf)
+    nonfinite_grads = property(lambda self: self.precision.nonfinite_grads)
 
     def set_nonfinite_policy(self, policy: str) -> None:
-        if policy not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite_grads={policy!r} must be one of {NONFINITE_POLICIES}")
-        self.nonfinite_grads = policy
+        self.precision.set_nonfinite_policy(policy)
 
     def release(self) -> None:
         """Drop what holds the process group (end of training); the engine is unusable after."""
@@ -122,69 +108,23 @@ class Engine:
         """Move ``model`` to the device, apply the storage policy, create fp32 masters and
         make its forward follow the policy. Returns the same object."""
         model.to(self.device)
-        fp32_modules = self._fp32_modules(model)
+        precision = self.precision
+        fp32_modules = precision.fp32_modules(model)
         fp32_params = {id(p) for m in fp32_modules for p in m.parameters()}
         candidates = [
             p
             for p in model.parameters()
             if p.requires_grad and p.is_floating_point() and id(p) not in fp32_params
         ]
-        for m in fp32_modules:
-            for p in m.parameters():
-                if p.is_floating_point() and p.dtype != torch.float32:
-                    p.data = p.data.float()
+        precision.add_masters(candidates)
         target = self.policy.param_dtype
-        needs_master = [
-            p
-            for p in candidates
-            if id(p) not in self.master_of
-            and (p.dtype in LOW_PRECISION or (target is not None and target != torch.float32))
-        ]
-        if self.policy.master_dtype is not None and needs_master:
-            # Masters are cloned before any cast so they keep every fp32 bit given.
-            given = sorted({dtype_name(p.dtype) for p in needs_master})
-            weights = _C.MasterWeights(needs_master)
-            self.masters.append(weights)
-            for p, m in zip(weights.params, weights.masters):
-                self.master_of[id(p)] = m
-                self.lowp_of[id(m)] = p
-            if target is None:
-                logger.warning(
-                    "mixprec: %d trainable parameter(s) came in %s: fp32 master weights were "
-                    "added; the optimizer updates the masters and the %s weights are refreshed "
-                    "from them after every step",
-                    len(needs_master),
-                    "/".join(given),
-                    "/".join(given),
-                )
         if target is not None:
             for p in candidates:
                 if p.dtype != target:
                     p.data = p.data.to(target)
         input_dtype = target if target is not None else _dominant_dtype(model)
-        ctx = ForwardContext(
-            self.policy, self.device.type, input_dtype, gate, on_zero_grad=self.zero_model_grads
-        )
-        swap_class(model, ctx)
-        for m in fp32_modules:
-            swap_class(m, ForwardContext(self.policy, self.device.type, None, gate, fp32_region=True))
+        precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads)
         return model
-
-    def _fp32_modules(self, model: nn.Module) -> list[nn.Module]:
-        patterns = self.policy.keep_fp32_modules
-        if not patterns:
-            return []
-        found = []
-        for name, m in model.named_modules():
-            if any(fnmatch.fnmatchcase(name, pat) or type(m).__name__ == pat for pat in patterns):
-                found.append(m)
-        if not found:
-            raise ValueError(
-                f"keep_fp32_modules={list(patterns)!r} matched no module of "
-                f"{type(model).__name__}; give module class names (e.g. 'LayerNorm') or "
-                "dotted paths with wildcards (e.g. 'encoder.*.norm')"
-            )
-        return found
 
     def zero_model_grads(self, model: nn.Module) -> None:
         """``model.zero_grad()`` on a prepared model also clears its masters' grads."""
@@ -228,19 +168,11 @@ class Engine:
 
     def fold_grads(self) -> None:
         """Move pending low-precision grads into the fp32 master grads."""
-        for weights in self.masters:
-            weights.fold_grads()
+        self.precision.fold_grads()
 
     # ------------------------------------------------------------------ steps
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.scaler is None:
-            return loss
-        if self._stepped_since_update:
-            # A new iteration while some optimizer did not step in the last one
-            # ([Note: one scaler update per iteration]).
-            self._update_scaler()
-        self.scaled_backward = True
-        return self.scaler.scale_loss(loss)
+        return self.precision.scale_loss(loss)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         self.scale_loss(loss).backward(**kwargs)
@@ -261,13 +193,16 @@ class Engine:
         # halve the bf16/fp32 traffic (not done). Sharded engines all-reduce the flag (see
         # [Note: found_inf agreement] in engines/zero.py); ddp needs no agreement because
         # its all-reduced gradients carry a nan from any rank to every rank. A flagged step
-        # is skipped before the optimizer is touched, so weights, fp32 masters and
-        # optimizer state stay bitwise unchanged.
+        # is skipped by the fused kernels on the device (by the host for other
+        # optimizers), so weights, fp32 masters and optimizer state stay bitwise unchanged.
+        self._unscale_local(state)
+
+    def _unscale_local(self, state: OptimizerState) -> None:
+        """This rank's unscale + check of ``state``'s gradients, without any agreement."""
         self.fold_grads()
         if state.unscaled:
             return
-        inv = self.scaler.inv_scale() if self.scaler is not None else self._unit_scale
-        kernels.unscale_and_check_(self._grads(state.optimizer), self.found_inf, inv)
+        self.precision.unscale_(self._grads(state.optimizer))
         state.unscaled = True
 
     def grad_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -288,9 +223,7 @@ class Engine:
             total = kernels.l2_norm(grads)
         else:
             total = torch.nn.utils.get_total_norm(grads, norm_type)
-        clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        Precision.clip_(grads, total, max_norm)
         for state in self.optimizers.values():
             state.grad_norm = total
         return total
@@ -340,7 +273,7 @@ class Engine:
                     "optimizer.step(closure) with fp16 loss scaling: the closure would run an "
                     "unscaled backward; call accelerator.backward() in your loop instead"
                 )
-            if not self.scaled_backward and self._grads(optimizer):
+            if not self.precision.scaled_backward and self._grads(optimizer):
                 raise UnscaledBackwardError(
                     "mixed_precision='fp16': these gradients come from a backward that did not "
                     "go through the loss scaler (loss.backward() was called directly). No update "
@@ -370,7 +303,7 @@ class Engine:
             result = StepResult.deferred(values, skip_reason)
         self._unlogged.append((state, state.steps, result))
         self._log_skips()
-        self._after_step(state)
+        self.precision.after_step(id(optimizer), self.optimizers)
         self._end_step(state, result)
         if self.scaler is None and self.nonfinite_grads == "raise" and not result.stepped:
             raise NonFiniteGradientsError(
@@ -410,32 +343,21 @@ class Engine:
                     number, state.logged_skips,
                 )
 
-    def _after_step(self, state: OptimizerState) -> None:
-        """[Note: one scaler update per iteration]
-        The scale moves once per iteration however many optimizers step: after the last
-        prepared optimizer has stepped, or, when some optimizer does not step every
-        iteration, at the next scaled backward. Until then found_inf is kept, so an
-        overflow seen by an earlier optimizer's gradients skips the later ones too (their
-        states stay consistent with one scale)."""
-        if self.scaler is None:
-            return
-        self._stepped_since_update.add(id(state.optimizer))
-        if self._stepped_since_update >= set(self.optimizers):
-            self._update_scaler()
-
-    def _update_scaler(self) -> None:
-        self.scaler.update()
-        self._stepped_since_update.clear()
+    # [Note: one scaler update per iteration]
+    # The scale moves once per iteration however many optimizers step: after the last
+    # prepared optimizer has stepped, or, when some optimizer does not step every
+    # iteration, at the next scaled backward (Precision.after_step / scale_loss). Until
+    # then found_inf is kept, so an overflow seen by an earlier optimizer's gradients
+    # skips the later ones too (their states stay consistent with one scale).
 
     def _end_step(self, state: OptimizerState, result: StepResult) -> None:
         state.unscaled = False
         state.grad_norm = None
         state.last = result
-        self.scaled_backward = False
         if self.scaler is None and not any(s.unscaled for s in self.optimizers.values()):
             # The flag covers every optimizer checked this step (clip_grad_norm_ checks all
             # of them at once): cleared when the last of them has stepped.
-            self._nonfinite_flag.zero_()
+            self.precision.clear_nonfinite()
 
     def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf) -> None:
         """The update, skipped on the device when ``found_inf`` is set (fused kernels)."""
@@ -473,30 +395,10 @@ class Engine:
 
     # ------------------------------------------------------------ scaler state
     def scaler_state_dict(self) -> dict:
-        if self.scaler is None:
-            return {}
-        o = self.scaler.options
-        return {
-            "scale": self.scaler.scale_value(),
-            "growth_factor": o.growth_factor,
-            "backoff_factor": o.backoff_factor,
-            "growth_interval": o.growth_interval,
-            "_growth_tracker": self.scaler.growth_tracker(),
-            "hysteresis": o.hysteresis,
-            "_hysteresis_left": self.scaler.hysteresis_left(),
-        }
+        return self.precision.scaler_state_dict()
 
     def load_scaler_state_dict(self, state: dict) -> None:
-        if self.scaler is None:
-            if state:
-                raise ValueError(
-                    "this checkpoint holds loss-scaler state but the policy "
-                    f"{self.policy.name!r} has no loss scaling; load it with mixed_precision='fp16'"
-                )
-            return
-        self.scaler.load(
-            float(state["scale"]), int(state["_growth_tracker"]), int(state.get("_hysteresis_left", 1))
-        )
+        self.precision.load_scaler_state_dict(state)
 
     # ------------------------------------------------------------- checkpoints
     def _require_replicated(self, call: str) -> None:
@@ -612,8 +514,7 @@ class Engine:
         with torch.no_grad():
             for dst, src in staged:
                 dst.copy_(src)
-            for weights in self.masters:
-                kernels.copy_cast_(list(weights.params), list(weights.masters))
+            self.precision.refresh_lowp()
         for optimizer, sd in zip(optimizers, optim_states):
             optimizer.load_state_dict(sd)
 

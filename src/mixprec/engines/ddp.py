@@ -14,6 +14,7 @@ from ..distributed.structure import check_same_model
 from ..policy import PrecisionPolicy
 from ..wrappers.model import AutocastGate
 from .base import Engine
+from .precision import sync_buffers
 
 
 class DDPEngine(Engine):
@@ -87,10 +88,7 @@ class DDPEngine(Engine):
         self.reducers.clear()  # their destructors remove the gradient hooks
 
     def _sync_buffers(self, model: nn.Module) -> None:
-        buffers = [b for b in model.buffers()]
-        if buffers and torch.is_grad_enabled():
-            with torch.no_grad():
-                _C.broadcast_coalesced(buffers, self.group_name, 0)
+        sync_buffers(model, self.group_name)
 
     def fold_grads(self) -> None:
         # The Reducer's hooks fold low-precision grads into the masters during backward.

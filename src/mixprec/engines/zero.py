@@ -25,8 +25,9 @@ from ..checkpoint.format import model_prefix
 from ..distributed.structure import check_same_model
 from ..policy import PrecisionPolicy, ScalerConfig
 from ..step import StepResult, check_clip_limit
-from ..wrappers.model import AutocastGate, ForwardContext, swap_class
+from ..wrappers.model import AutocastGate
 from .base import Engine, OptimizerState, _dominant_dtype
+from .precision import Precision, sync_buffers
 from .sharded import Segment, build_segments, check_optimizer
 from .units import (
     LeafSpec,
@@ -123,13 +124,8 @@ class ZeroEngine(Engine):
         state = [t.detach() for t in model.parameters()] + list(model.buffers())
         with torch.no_grad():
             _C.broadcast_coalesced(state, self.group_name, 0)
-        fp32_modules = self._fp32_modules(model)
+        fp32_modules = self.precision.fp32_modules(model)
         fp32_ids = {id(p) for m in fp32_modules for p in m.parameters()}
-        with torch.no_grad():
-            for m in fp32_modules:
-                for p in m.parameters():
-                    if p.is_floating_point() and p.dtype != torch.float32:
-                        p.data = p.data.float()
         target = self.policy.param_dtype
         names, params, dtypes = [], [], []
         for name, p in model.named_parameters():
@@ -154,12 +150,8 @@ class ZeroEngine(Engine):
             cores.append(core)
         self.cores[id(model)] = [c for c in cores if c is not None]
         self._install_units(model, cores)
-        ctx = ForwardContext(self.policy, self.device.type, input_dtype, gate,
-                             on_zero_grad=self.zero_model_grads)
-        swap_class(model, ctx)
+        ctx = self.precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads)
         ctx.explain_error = self._error_explainer(model)
-        for m in fp32_modules:
-            swap_class(m, ForwardContext(self.policy, self.device.type, None, gate, fp32_region=True))
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             ref = weakref.ref(model)  # [Note: no reference cycles] in units.py
             model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(ref())
@@ -189,10 +181,7 @@ class ZeroEngine(Engine):
         self.cores_of_opt.clear()
 
     def _sync_buffers(self, model: nn.Module) -> None:
-        buffers = list(model.buffers())
-        if buffers and torch.is_grad_enabled():
-            with torch.no_grad():
-                _C.broadcast_coalesced(buffers, self.group_name, 0)
+        sync_buffers(model, self.group_name)
 
     def _cores(self, model: nn.Module) -> list[_C.ShardedCore]:
         cores = self.cores.get(id(model))
@@ -363,7 +352,7 @@ class ZeroEngine(Engine):
             )
         self.fold_grads()
         for state in self.optimizers.values():
-            Engine.unscale_(self, state)  # local check; agreement rides on the norm's all-reduce
+            self._unscale_local(state)  # agreement rides on the norm's all-reduce below
         grads = self._all_segment_grads()
         p = float(norm_type)
         if p == math.inf:
@@ -381,9 +370,7 @@ class ZeroEngine(Engine):
         self.found_inf.copy_(packet[1:2].gt(0))  # on the device: no host read
         self._found_inf_agreed = True
         total = (packet[0] if p == math.inf else packet[0] ** (1.0 / p)).float()
-        clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        Precision.clip_(grads, total, max_norm)
         for state in self.optimizers.values():
             state.grad_norm = total
         return total

@@ -49,7 +49,27 @@ struct AdamOp {
     float* ea = static_cast<float*>(m.addr[2][t]);
     float* es = static_cast<float*>(m.addr[3][t]);
     void* lp = m.addr[4][t];
-    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) {
+    int64_t tail = b;
+    if (vec_aligned(p, b, kF32) && vec_aligned(m.addr[1][t], b, m.code[1][t]) &&
+        vec_aligned(ea, b, kF32) && vec_aligned(es, b, kF32) &&
+        vec_aligned(lp, b, m.code[4][t])) {  // [Note: vectorised loads]
+      const int64_t n_vec = (e - b) / kVec * kVec;
+      for (int64_t i = b + kVec * threadIdx.x; i < b + n_vec; i += kVec * blockDim.x) {
+        float pv[kVec], gv[kVec], mv[kVec], vv[kVec];
+        load4(p, i, kF32, pv);
+        load4(m.addr[1][t], i, m.code[1][t], gv);
+        load4(ea, i, kF32, mv);
+        load4(es, i, kF32, vv);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) functors::adam<CudaArith>(pv[k], gv[k], mv[k], vv[k], ls);
+        store4(p, i, kF32, pv);
+        store4(ea, i, kF32, mv);
+        store4(es, i, kF32, vv);
+        if (lp != nullptr) store4(lp, i, m.code[4][t], pv);
+      }
+      tail = b + n_vec;
+    }
+    for (int64_t i = tail + threadIdx.x; i < e; i += blockDim.x) {
       float pv = p[i], mv = ea[i], vv = es[i];
       functors::adam<CudaArith>(pv, load_f(m.addr[1][t], i, m.code[1][t]), mv, vv, ls);
       p[i] = pv;
@@ -73,7 +93,30 @@ struct SgdOp {
     float* p = static_cast<float*>(m.addr[0][t]);
     float* buf = static_cast<float*>(m.addr[2][t]);
     void* lp = m.addr[3][t];
-    for (int64_t i = b + threadIdx.x; i < e; i += blockDim.x) {
+    int64_t tail = b;
+    if (vec_aligned(p, b, kF32) && vec_aligned(m.addr[1][t], b, m.code[1][t]) &&
+        vec_aligned(buf, b, kF32) && vec_aligned(lp, b, m.code[3][t])) {
+      const int64_t n_vec = (e - b) / kVec * kVec;  // [Note: vectorised loads]
+      for (int64_t i = b + kVec * threadIdx.x; i < b + n_vec; i += kVec * blockDim.x) {
+        float pv[kVec], gv[kVec], bv[kVec];
+        load4(p, i, kF32, pv);
+        load4(m.addr[1][t], i, m.code[1][t], gv);
+        if (ls.has_momentum && !ls.first_step) load4(buf, i, kF32, bv);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const float g = functors::sgd_grad<CudaArith>(gv[k], pv[k], ls);
+          float nb = g;
+          if (ls.has_momentum && !ls.first_step) nb = functors::sgd_momentum<CudaArith>(g, bv[k], ls);
+          bv[k] = nb;
+          pv[k] = functors::sgd_param<CudaArith>(pv[k], functors::sgd_direction<CudaArith>(g, nb, ls), ls);
+        }
+        if (ls.has_momentum) store4(buf, i, kF32, bv);
+        store4(p, i, kF32, pv);
+        if (lp != nullptr) store4(lp, i, m.code[3][t], pv);
+      }
+      tail = b + n_vec;
+    }
+    for (int64_t i = tail + threadIdx.x; i < e; i += blockDim.x) {
       float pv = p[i];
       const float g = functors::sgd_grad<CudaArith>(load_f(m.addr[1][t], i, m.code[1][t]), pv, ls);
       float bv = g;

@@ -55,6 +55,22 @@ NOT_GIVEN = _NotGiven()
 _SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, LR scheduler"
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedObjects:
+    """What an Accelerator prepared, in prepare() order (live lists: read, do not mutate).
+    ``save_state``/``load_state`` (src/mixprec/checkpoint/state.py) go through this view
+    and the engine's checkpoint contract, not through the Accelerator's internals."""
+
+    models: list
+    optimizers: list
+    schedulers: list
+    dataloaders: list
+
+    def raw_optimizers(self) -> list:
+        """The users' torch optimizers behind the prepared ones."""
+        return [o.optimizer for o in self.optimizers]
+
+
 class Accelerator:
     """Keep your training loop; get correct mixed precision on any backend.
 
@@ -225,6 +241,8 @@ class Accelerator:
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
+        # The public view of the same (live) lists, for checkpointing and tools.
+        self.prepared = PreparedObjects(self._models, self._optimizers, self._schedulers, self._dataloaders)
         self.project_configuration = resolve_project_configuration(project_dir, project_config)
         self._checkpoint_objects: list[Any] = []  # registered with register_for_checkpointing
         self._call_check = CallCheck(self.project_configuration.collective_timeout_s)

@@ -43,21 +43,17 @@ from .writer import write_checkpoint
 logger = logging.getLogger("mixprec")
 
 
-def _raw_optimizers(acc) -> list:
-    return [o.optimizer for o in acc._optimizers]
-
-
 def save_accelerator_state(acc, target: Path, custom: list) -> Path:
     """Collective: write everything ``acc`` prepared (and ``custom`` objects) to ``target``."""
     import mixprec
 
-    for i, dl in enumerate(acc._dataloaders):
+    for i, dl in enumerate(acc.prepared.dataloaders):
         if not isinstance(dl, ResumableDataLoader) and acc.gradient_state.active_dataloaders:
             raise ValueError(
                 f"save_state() was called while iterating, but prepared dataloader {i} does not track "
                 "its position; call mixprec.checkpoint.make_resumable(loader) right after prepare()"
             )
-    shards = acc.engine.state_shards(acc._models, _raw_optimizers(acc))
+    shards = acc.engine.state_shards(acc.prepared.models, acc.prepared.raw_optimizers())
     objects = None
     if acc.state.rank == 0:
         objects = {
@@ -66,21 +62,20 @@ def save_accelerator_state(acc, target: Path, custom: list) -> Path:
                     "class": _class_name(o.optimizer),
                     "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in o.param_groups],
                     "group_sizes": [len(g["params"]) for g in o.param_groups],
-                    "skipped": o._state.skipped,
-                    "last": None if o._state.last is None else o._state.last.as_dict(),
+                    **o.step_record(),
                 }
-                for o in acc._optimizers
+                for o in acc.prepared.optimizers
             ],
             "scaler": acc.engine.scaler_state_dict(),
-            "schedulers": [s.state_dict() for s in acc._schedulers],
+            "schedulers": [s.state_dict() for s in acc.prepared.schedulers],
             "gradient_state": {"step": acc.gradient_state.step, "sync_gradients": acc.gradient_state.sync_gradients},
             "custom": [obj.state_dict() for obj in custom],
-            "num_models": len(acc._models),
-            "num_dataloaders": len(acc._dataloaders),
+            "num_models": len(acc.prepared.models),
+            "num_dataloaders": len(acc.prepared.dataloaders),
         }
     rank_state = {
         "rng": capture_rng(),
-        "dataloaders": [dl.checkpoint_state() if isinstance(dl, ResumableDataLoader) else None for dl in acc._dataloaders],
+        "dataloaders": [dl.checkpoint_state() if isinstance(dl, ResumableDataLoader) else None for dl in acc.prepared.dataloaders],
     }
     meta = {
         "mixprec_version": mixprec.__version__,
@@ -119,18 +114,17 @@ def load_accelerator_state(acc, source: Path, custom: list) -> CheckpointReader:
     if errors:
         # The same text on every rank (each rank's problem names its own path).
         raise CheckpointError("load_state() loaded nothing, on any rank: " + "; ".join(errors))
-    acc.engine.load_state_shards(acc._models, _raw_optimizers(acc), reader)
-    for opt, saved in zip(acc._optimizers, objects["optimizers"]):
+    acc.engine.load_state_shards(acc.prepared.models, acc.prepared.raw_optimizers(), reader)
+    for opt, saved in zip(acc.prepared.optimizers, objects["optimizers"]):
         for group, hyper in zip(opt.param_groups, saved["param_groups"]):
             group.update(hyper)
-        opt._state.skipped = saved["skipped"]
-        opt._state.last = None if saved["last"] is None else StepResult(**saved["last"])
+        opt.load_step_record(saved)
     if objects["scaler"] or acc.engine.scaler is not None:
         if objects["scaler"]:
             acc.engine.load_scaler_state_dict(objects["scaler"])
         else:
             logger.warning("mixprec: %s holds no loss-scaler state; the scaler starts fresh", source)
-    for sched, sd in zip(acc._schedulers, objects["schedulers"]):
+    for sched, sd in zip(acc.prepared.schedulers, objects["schedulers"]):
         sched.load_state_dict(sd)
     acc.gradient_state.step = objects["gradient_state"]["step"]
     acc.gradient_state.sync_gradients = objects["gradient_state"]["sync_gradients"]
@@ -142,7 +136,7 @@ def load_accelerator_state(acc, source: Path, custom: list) -> CheckpointReader:
             "mixprec: %s was saved by %d process(es); rank %d keeps its RNG state",
             source, reader.world_size, acc.state.rank,
         )
-    for i, (dl, saved) in enumerate(zip(acc._dataloaders, mine["dataloaders"])):
+    for i, (dl, saved) in enumerate(zip(acc.prepared.dataloaders, mine["dataloaders"])):
         if saved is not None:
             ResumableDataLoader.load_checkpoint_state(_resumable(dl), saved, i)
     if own:
@@ -158,7 +152,7 @@ def _resumable(dl):
 
 def _validate(acc, reader: CheckpointReader, objects: dict, custom: list) -> None:
     """Raise listing every mismatch between the checkpoint and what ``acc`` prepared."""
-    expected = acc.engine.state_names(acc._models)
+    expected = acc.engine.state_names(acc.prepared.models)
     saved = {n: shape for n, (shape, _) in reader.index.items() if not n.startswith(fmt.OPTIM_PREFIX)}
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
@@ -168,8 +162,8 @@ def _validate(acc, reader: CheckpointReader, objects: dict, custom: list) -> Non
     for n in reader.names(fmt.OPTIM_PREFIX):
         _, j, rest = n.split("/", 2)
         key = rest.rsplit("/", 1)[0]
-        if int(j) >= len(acc._optimizers):
-            problems.append(f"optimizer state {n!r} for optimizer {j}, but {len(acc._optimizers)} optimizer(s) were prepared")
+        if int(j) >= len(acc.prepared.optimizers):
+            problems.append(f"optimizer state {n!r} for optimizer {j}, but {len(acc.prepared.optimizers)} optimizer(s) were prepared")
         elif key not in param_keys:
             unexpected.append(n)
     dtypes = _expected_dtypes(acc)
@@ -184,10 +178,10 @@ def _validate(acc, reader: CheckpointReader, objects: dict, custom: list) -> Non
             "saving (renamed layers change keys)"
         )
     counts = [
-        ("models", objects["num_models"], len(acc._models)),
-        ("optimizers", len(objects["optimizers"]), len(acc._optimizers)),
-        ("schedulers", len(objects["schedulers"]), len(acc._schedulers)),
-        ("dataloaders", objects["num_dataloaders"], len(acc._dataloaders)),
+        ("models", objects["num_models"], len(acc.prepared.models)),
+        ("optimizers", len(objects["optimizers"]), len(acc.prepared.optimizers)),
+        ("schedulers", len(objects["schedulers"]), len(acc.prepared.schedulers)),
+        ("dataloaders", objects["num_dataloaders"], len(acc.prepared.dataloaders)),
         ("objects registered for checkpointing", len(objects["custom"]), len(custom)),
     ]
     for what, theirs, ours in counts:
@@ -195,7 +189,7 @@ def _validate(acc, reader: CheckpointReader, objects: dict, custom: list) -> Non
             problems.append(f"the checkpoint holds {theirs} {what} but {ours} were prepared/registered")
     if not problems:
         problems += _validate_optimizers(acc, reader, objects, dtypes, expected)
-    for j, (opt, saved_opt) in enumerate(zip(acc._optimizers, objects["optimizers"])):
+    for j, (opt, saved_opt) in enumerate(zip(acc.prepared.optimizers, objects["optimizers"])):
         # Group count, not group sizes: a sharded engine's groups hold shard segments, so sizes
         # differ between backends while the groups (and the names of their state) match.
         groups = len(opt.param_groups)
@@ -264,7 +258,7 @@ def _check_rank_state(reader: CheckpointReader, mine: dict, rank: int) -> None:
 
 def _validate_dataloaders(acc, mine: dict) -> None:
     """The positions ``load_checkpoint_state`` will apply are whole numbers of batches here."""
-    for i, (dl, saved) in enumerate(zip(acc._dataloaders, mine["dataloaders"])):
+    for i, (dl, saved) in enumerate(zip(acc.prepared.dataloaders, mine["dataloaders"])):
         if saved is None:
             continue
         samples = saved["yielded"] * saved["total_batch_size"]
@@ -284,7 +278,7 @@ def _expected_dtypes(acc) -> dict:
     engine = acc.engine
     sharded = getattr(engine, "core_of_param", None) or {}
     out = {}
-    for i, model in enumerate(acc._models):
+    for i, model in enumerate(acc.prepared.models):
         for name, t in model.state_dict(keep_vars=True).items():
             if id(t) in sharded:
                 out[fmt.model_prefix(i) + name] = torch.float32
@@ -317,7 +311,7 @@ def _validate_optimizers(acc, reader: CheckpointReader, objects: dict, dtypes: d
             continue
         j, key, skey = int(parts[1]), "/".join(parts[2:-1]), parts[-1]
         state_keys.setdefault((j, key), {})[skey] = reader.index[n]
-    for j, (opt, saved) in enumerate(zip(acc._optimizers, objects["optimizers"])):
+    for j, (opt, saved) in enumerate(zip(acc.prepared.optimizers, objects["optimizers"])):
         ours = _class_name(opt.optimizer)
         theirs = saved.get("class")
         if theirs is not None and theirs != ours:

@@ -105,3 +105,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
     @property
     def skipped_steps(self) -> int:
         return self._state.skipped
+
+    def step_record(self) -> dict:
+        """What a checkpoint keeps of this optimizer's steps: skips so far and the last result."""
+        last = self._state.last
+        return {"skipped": self._state.skipped, "last": None if last is None else last.as_dict()}
+
+    def load_step_record(self, record: dict) -> None:
+        """Restore :meth:`step_record`'s values (``load_state``)."""
+        self._state.skipped = record["skipped"]
+        self._state.last = None if record["last"] is None else StepResult(**record["last"])

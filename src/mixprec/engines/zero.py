@@ -544,7 +544,8 @@ class Zero3Engine(ZeroEngine):
             root.core = _NoCore()
         unit_of_param = {id(p): unit.name for unit, core in zip(units, cores) if core is not None
                          for p in self.core_params[id(core)]}
-        check = UnitOrderCheck(self.group, [u.name or "<root>" for u in units]) if self.check_unit_order else None
+        check = (UnitOrderCheck(self.group, [u.name or "<root>" for u in units], self.device)
+                 if self.check_unit_order else None)
         runner = UnitRunner(units, prefetch=self.prefetch, check_order=check, unit_of_param=unit_of_param)
         runner.install()
         self.runners[id(model)] = runner

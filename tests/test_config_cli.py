@@ -87,9 +87,9 @@ def test_explain_bf16_pure_and_fsdp_conflict(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "zero2    not supported: zero2 keeps fp32 master shards" in out
     assert "none (low-precision weights updated in place)" in out
-    f.write_text("mixed_precision: bf16\nfsdp:\n  reduce_dtype: bf16\n")
+    f.write_text("mixed_precision: bf16\nfsdp:\n  output_dtype: fp16\n")
     assert main(["config", "explain", str(f)]) == 0
-    assert "fsdp     error: engine_options['reduce_dtype']=torch.bfloat16 conflicts" in capsys.readouterr().out
+    assert "fsdp     error: engine_options['output_dtype']=torch.float16 conflicts" in capsys.readouterr().out
 
 
 def test_explain_reports_config_errors(tmp_path, capsys):

@@ -177,11 +177,29 @@ def test_deepspeed_leaf_module_config_is_imported_into_the_zero3_block(tmp_path)
     assert LeafSpec(classes=(f"{Block.__module__}.Block",)).matches("x", Block(4)) is True
 
 
-@pytest.mark.parametrize("backend", ["zero1", "zero2", "zero3"])
-def test_zero_refuses_a_reduce_dtype_it_would_ignore(backend):
+@pytest.mark.parametrize("backend", ["zero1", "zero2", "zero3", "fsdp"])
+def test_zero_reduces_in_the_policys_reduce_dtype(backend):
+    """[Note: low-precision reduction]: the fp32-accumulated gradient is rounded once to
+    bf16 for the collective (half the bytes) and lands in the fp32 shard (one process: the
+    sum is the rank's own gradient, so the shard is exactly its bf16 rounding)."""
     from mixprec import PrecisionPolicy
 
-    policy = PrecisionPolicy.from_mixed_precision("bf16", reduce_dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"reduces gradients in fp32.*reduce_dtype=torch.bfloat16.*backend='ddp'"):
-        Accelerator(backend=backend, policy=policy, log_policy=False)
-    assert not torch.distributed.is_initialized()  # the one-process group made for it is gone
+    def shard_grads(reduce_dtype):
+        policy = PrecisionPolicy.from_mixed_precision("no", reduce_dtype=reduce_dtype)
+        acc = Accelerator(backend=backend, policy=policy, log_policy=False)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        acc.engine.reset_comm_counters()
+        acc.backward(model(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).square().mean())
+        acc.engine.fold_grads()
+        grads = torch.cat([g.flatten() for g in acc.engine._all_segment_grads()]).clone()
+        sent = acc.engine.comm_counters()["bytes_reduced"]
+        acc.end_training()
+        return grads, sent
+
+    fp32, fp32_bytes = shard_grads(torch.float32)
+    bf16, bf16_bytes = shard_grads(torch.bfloat16)
+    assert bf16_bytes * 2 == fp32_bytes
+    assert torch.equal(bf16, fp32.to(torch.bfloat16).float())
+    assert not torch.equal(bf16, fp32)  # really rounded: the collective ran in bf16

@@ -14,14 +14,22 @@ void init_sharded(py::module_& m) {
   py::class_<CoreOptions>(m, "ShardOptions")
       .def(py::init([](int64_t stage, int64_t bucket_cap_bytes, int64_t first_bucket_cap_bytes,
                        const std::string& collective, const std::string& group_name,
-                       int64_t max_inflight_buckets) {
-             return engines::sharded::zero_options(stage, bucket_cap_bytes,
-                                                   first_bucket_cap_bytes, collective, group_name,
-                                                   max_inflight_buckets);
+                       int64_t max_inflight_buckets, at::ScalarType reduce_dtype) {
+             TORCH_CHECK_VALUE(reduce_dtype == at::kFloat || reduce_dtype == at::kBFloat16 ||
+                                   reduce_dtype == at::kHalf,
+                               "reduce_dtype must be torch.float32, torch.bfloat16 or "
+                               "torch.float16, got ", reduce_dtype);
+             auto o = engines::sharded::zero_options(stage, bucket_cap_bytes,
+                                                     first_bucket_cap_bytes, collective,
+                                                     group_name, max_inflight_buckets);
+             o.reduce_dtype = reduce_dtype;
+             return o;
            }),
            py::kw_only(), py::arg("stage"), py::arg("bucket_cap_bytes") = 25 * 1024 * 1024,
            py::arg("first_bucket_cap_bytes") = 1024 * 1024, py::arg("collective") = "auto",
-           py::arg("group_name"), py::arg("max_inflight_buckets") = 2)
+           py::arg("group_name"), py::arg("max_inflight_buckets") = 2,
+           py::arg("reduce_dtype") = at::kFloat)
+      .def_readonly("reduce_dtype", &CoreOptions::reduce_dtype)
       .def_readonly("reduce_in_backward", &CoreOptions::reduce_in_backward)
       .def_readonly("free_grad_buckets", &CoreOptions::free_grad_buckets)
       .def_readonly("shard_params", &CoreOptions::shard_params)

@@ -235,8 +235,9 @@ def test_fsdp_mixed_precision_options_map_onto_the_policy():
     mapped = map_mixed_precision(bf16, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                  cast_forward_inputs=False)
     assert mapped.param_dtype == torch.bfloat16 and not mapped.cast_forward_inputs
-    with pytest.raises(ValueError, match=r"reduce_dtype.*torch.bfloat16.*'bf16'.*torch.float32"):
-        map_mixed_precision(bf16, reduce_dtype="bfloat16")
+    assert map_mixed_precision(bf16, reduce_dtype="bfloat16").reduce_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"output_dtype.*torch.float16.*'bf16'.*torch.float32"):
+        map_mixed_precision(bf16, output_dtype="float16")
     with pytest.raises(ValueError, match=r"param_dtype.*torch.float16.*torch.bfloat16"):
         map_mixed_precision(mapped, param_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"'int8' is not a dtype"):

@@ -194,11 +194,14 @@ void ShardedCore::complete_if_inflight(size_t b, uint64_t launch_id) {
 void ShardedCore::launch_locked(size_t b) {
   auto& bucket = buckets_[b];
   const auto& info = layout_.buckets()[b];
-  auto& grads = grads_of(bucket, b);
+  auto& fp32_grads = grads_of(bucket, b);
+  // [Note: low-precision reduction] in core.h.
+  if (options_.reduce_dtype != at::kFloat) bucket.sent = fp32_grads.to(options_.reduce_dtype);
+  at::Tensor& grads = options_.reduce_dtype != at::kFloat ? bucket.sent : fp32_grads;
   if (options_.collective == Collective::kReduceScatter) {
     bucket.reduced = at::empty({info.shard}, grads.options());
     c10d::ReduceScatterOptions opts;
-    opts.reduceOp = c10d::ReduceOp::SUM;  // never AVG: ARCHITECTURE.md decision 2
+    opts.reduceOp = c10d::ReduceOp::SUM;  // never AVG: the 1/N is in the fp32 accumulation
     bucket.work = group_->reduce_scatter_single(bucket.reduced, grads, opts);
   } else {
     std::vector<at::Tensor> tensors{grads};
@@ -247,11 +250,13 @@ void ShardedCore::complete_locked(size_t b) {
   bucket.work->wait();
   bucket.work.reset();
   bucket.launch_id = 0;
+  const at::Tensor& reduced_full = bucket.sent.defined() ? bucket.sent : bucket.grads;
   auto owned = options_.collective == Collective::kReduceScatter
                    ? bucket.reduced
-                   : bucket.grads.narrow(0, layout_.rank() * info.shard, info.shard);
-  grad_.narrow(0, info.shard_offset, info.shard).add_(owned);
+                   : reduced_full.narrow(0, layout_.rank() * info.shard, info.shard);
+  grad_.narrow(0, info.shard_offset, info.shard).add_(owned);  // into fp32 (promotes)
   bucket.reduced = at::Tensor();
+  bucket.sent = at::Tensor();
   if (options_.free_grad_buckets) {
     release_grads(bucket);
   } else {

@@ -111,6 +111,14 @@ struct CoreOptions {
   // [Note: bounded gradient memory]: reductions launched during backward and not yet
   // completed, at most (>= 1). Only with reduce_in_backward.
   int64_t max_inflight_buckets = 2;
+  // [Note: low-precision reduction]: the dtype gradients travel in. kFloat (default)
+  // reduces the fp32 buckets as they are. kBFloat16/kHalf: at launch the fp32 bucket
+  // (already holding grad/N, accumulated in fp32 over micro-batches) is rounded once to
+  // that dtype, the collective SUMs in it (half the bytes on the wire), and the owned
+  // result is added into the fp32 gradient shard, so accumulation stays fp32 and only
+  // the cross-rank sum is rounded (as FSDP2's reduce_dtype and DeepSpeed's
+  // communication_data_type).
+  c10::ScalarType reduce_dtype = c10::ScalarType::Float;
   // Shared by every core built from this CoreOptions (copies share it); a core given
   // none makes its own.
   std::shared_ptr<InflightWindow> window;
@@ -194,6 +202,7 @@ class ShardedCore {
   struct Bucket {
     at::Tensor grads;        // fp32 [padded], allocated on first use
     at::Tensor reduced;      // owned slice after the collective (kReduceScatter output)
+    at::Tensor sent;         // low-precision copy of grads being reduced (reduce_dtype != fp32)
     at::Tensor params_flat;  // storage dtype [padded]; the parameters are views of it
     size_t pending = 0;
     bool dirty = false;      // holds gradients not reduced yet

@@ -143,7 +143,8 @@ class FSDPOptions(Zero3Options):
     """Storage dtype of the gathered parameters (adopted when ``mixed_precision`` keeps the
     model's own dtype)."""
     reduce_dtype: Optional[Dtype] = None
-    """dtype gradients are reduced in (the sharding core reduces in fp32)."""
+    """dtype gradients travel in across ranks: bf16/fp16 halve the bytes of each reduction;
+    accumulation over micro-batches and into the gradient shard stays fp32."""
     output_dtype: Optional[Dtype] = None
     """dtype floating outputs of the model are cast to."""
     cast_forward_inputs: Optional[bool] = None

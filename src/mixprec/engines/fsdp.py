@@ -37,8 +37,9 @@ def map_mixed_precision(policy: PrecisionPolicy, param_dtype=_UNSET, reduce_dtyp
     """Fold FSDP2 ``MixedPrecisionPolicy`` fields into ``policy``.
 
     A field equal to the policy's value is accepted; ``param_dtype`` is adopted when the
-    policy stores parameters in their own dtype (``param_dtype=None``); anything else is
-    a conflict and raises, naming both values."""
+    policy stores parameters in their own dtype (``param_dtype=None``); ``reduce_dtype`` is
+    adopted (the dtype of the gradient collectives); anything else is a conflict and
+    raises, naming both values."""
     changes = {}
     given = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "output_dtype": output_dtype}
     for field, value in given.items():
@@ -51,12 +52,14 @@ def map_mixed_precision(policy: PrecisionPolicy, param_dtype=_UNSET, reduce_dtyp
         if field == "param_dtype" and current is None and value is not None:
             changes[field] = value
             continue
-        hint = ""
-        if field == "reduce_dtype":
-            hint = " (the sharding core always reduces gradients in fp32)"
+        if field == "reduce_dtype" and value is not None:
+            # FSDP2's reduce_dtype: the dtype gradients travel in ([Note: low-precision
+            # reduction] in csrc/engines/sharded/core.h); accumulation stays fp32.
+            changes[field] = value
+            continue
         raise ValueError(
             f"engine_options[{field!r}]={value} conflicts with mixed_precision={policy.name!r}, "
-            f"whose {field} is {current}{hint}; drop the engine option or choose a "
+            f"whose {field} is {current}; drop the engine option or choose a "
             "mixed_precision whose field matches"
         )
     if cast_forward_inputs is not _UNSET:

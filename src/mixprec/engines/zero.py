@@ -77,13 +77,6 @@ class ZeroEngine(Engine):
                 f"backend={backend!r} keeps fp32 master shards; mixed_precision={policy.name!r} "
                 "has no masters. Use mixed_precision='bf16' (optionally param_dtype=torch.bfloat16)"
             )
-        if policy.reduce_dtype != torch.float32:
-            # Refused, never silently ignored: the sharding core reduces in fp32.
-            raise ValueError(
-                f"backend={backend!r} reduces gradients in fp32, but the policy asks for "
-                f"reduce_dtype={policy.reduce_dtype}; use reduce_dtype=torch.float32 (the default), or "
-                "backend='ddp', whose reducer honours it"
-            )
         if loss_scaler not in ("torch", "deepspeed"):
             raise ValueError(f"loss_scaler={loss_scaler!r} must be 'torch' or 'deepspeed'")
         if loss_scaler == "deepspeed" and policy.loss_scaling:
@@ -104,6 +97,7 @@ class ZeroEngine(Engine):
             stage=self.stage, bucket_cap_bytes=int(bucket_cap_mb * 2**20),
             first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20), collective=collective,
             group_name=self.group_name, max_inflight_buckets=max_inflight_buckets,
+            reduce_dtype=policy.reduce_dtype,  # [Note: low-precision reduction] in core.h
         )  # one in-flight window, shared by every core built from these options
         self.elementwise_optimizer = elementwise_optimizer  # accept unknown optimizers
         self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward

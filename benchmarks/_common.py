@@ -77,6 +77,25 @@ def torch_step(model, opt, *, autocast: bool = True) -> Callable:
     return step
 
 
+def torch_amp_step(model, opt, precision: str, device_type: str) -> Callable:
+    """Plain PyTorch at its best with clipping: autocast in ``precision`` ("bf16"/"fp16"),
+    ``torch.amp.GradScaler`` for fp16 (disabled for bf16), ``clip_grad_norm_(1.0)``; ``opt``
+    should be ``AdamW(fused=True)``."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler(device_type, enabled=precision == "fp16")
+
+    def step(ids, tgt):
+        with torch.autocast(device_type, dtype=dtype):
+            logits = model(ids)
+        scaler.scale(lm_loss(logits, tgt)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return step
+
+
 # [Note: collective volume]: what a rank *sends* for one collective over a buffer of S
 # bytes (S = the full, padded buffer handed to it, which is what mixprec's counters count),
 # with the bandwidth-optimal ring algorithms: a ring all-reduce is a reduce-scatter then an

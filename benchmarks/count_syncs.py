@@ -67,25 +67,14 @@ def _rank(state, backend: str, precision: str, steps: int) -> dict:
 
 def torch_baseline(precision: str, steps: int) -> dict:
     """Plain PyTorch at its best, counted the same way (one process)."""
-    from _common import lm_loss, round_batches, tinylm
+    from _common import round_batches, tinylm, torch_amp_step
 
     from mixprec.diagnostics.syncs import Crossings, ScalarReads
 
     model = tinylm(64, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     batches = round_batches(1, steps + 2, 4, seed=1)[0]
-
-    def step(ids, tgt):
-        with torch.autocast("cpu", dtype=dtype):
-            logits = model(ids)
-        scaler.scale(lm_loss(logits, tgt)).backward()
-        scaler.unscale_(opt)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
+    step = torch_amp_step(model, opt, precision, "cpu")
 
     for ids, tgt in batches[:2]:
         step(ids, tgt)

@@ -113,28 +113,17 @@ def check_training() -> bool:
 
 
 def bench(rounds: int = 7, steps: int = 20) -> None:
-    from _common import lm_loss, round_batches, tinylm
+    from _common import lm_loss, round_batches, tinylm, torch_amp_step
 
     from mixprec import Accelerator
     from mixprec.diagnostics.syncs import ScalarReads
 
     dev = torch.device("cuda")
     for precision in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         batches = [(i.to(dev), t.to(dev)) for i, t in round_batches(1, steps, 32, seed=3)[0]]
         ref = tinylm(512, 6).to(dev)
-        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
-        scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
-
-        def torch_step(ids, tgt):
-            with torch.autocast("cuda", dtype=dtype):
-                logits = ref(ids)
-            scaler.scale(lm_loss(logits, tgt)).backward()
-            scaler.unscale_(ropt)
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-            scaler.step(ropt)
-            scaler.update()
-            ropt.zero_grad()
+        torch_step = torch_amp_step(ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True),
+                                    precision, "cuda")
 
         acc = Accelerator(mixed_precision=precision, log_policy=False)
         mine = tinylm(512, 6)  # the same seeded weights as `ref`

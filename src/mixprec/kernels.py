@@ -268,6 +268,8 @@ def _creates_state(optimizer: torch.optim.Optimizer) -> bool:
     """Some param with a gradient has no optimizer state (or SGD momentum buffer) yet."""
     state = optimizer.state
     sgd = type(optimizer) is torch.optim.SGD
+    if not sgd and len(state) >= sum(len(g["params"]) for g in optimizer.param_groups):
+        return False  # Adam/AdamW fill a param's state in the step that creates it
     for group in optimizer.param_groups:
         if sgd and float(group["momentum"]) == 0:
             continue

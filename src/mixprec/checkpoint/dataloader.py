@@ -79,6 +79,15 @@ class ResumableDataLoader(PreparedDataLoader):
             g = getattr(obj, "generator", None)
             if isinstance(g, torch.Generator):
                 found[where] = g
+        # The generator a sharded loader's sampler draws from (shard_dataloader may give a
+        # RandomSampler one of its own; see mixprec/data/sharding.py).
+        from ..data.sharding import find_generators
+
+        nested = find_generators(getattr(self.dataloader, "batch_sampler", None)) + find_generators(
+            getattr(self.dataloader, "sampler", None))
+        for i, g in enumerate(nested):
+            if all(g is not x for x in found.values()):
+                found[f"nested{i}"] = g
         return found
 
     def _rng_states(self) -> dict:

@@ -433,15 +433,21 @@ class Accelerator(AccelerateApi):
                 return dataloader  # preparing twice gives the same loader
             dataloader = dataloader.original  # another Accelerator's: shard the user's loader anew
         original = dataloader
+        # data_seed / use_seedable_sampler concern plain shuffling loaders only.
+        plain_shuffle = (type(dataloader.sampler) is torch.utils.data.RandomSampler
+                         and not dataloader.sampler.replacement
+                         and dataloader.sampler.num_samples == len(dataloader.dataset))
+        seed = self.data_seed if plain_shuffle else None
+        seeded = plain_shuffle and (self.use_seedable_sampler or seed is not None)
         if self.state.world_size > 1:
             dataloader = shard_dataloader(
                 dataloader, self.state, split_batches=self.split_batches,
-                even_batches=self.even_batches, seed=self.data_seed,
+                even_batches=self.even_batches, seed=seed,
                 use_seedable_sampler=self.use_seedable_sampler,
             )
-        elif self.use_seedable_sampler or self.data_seed is not None:
+        elif seeded:
             # One process: the same seeded order (seed + epoch) several processes would share.
-            dataloader = shard_dataloader(dataloader, self.state, seed=self.data_seed,
+            dataloader = shard_dataloader(dataloader, self.state, seed=seed,
                                           use_seedable_sampler=self.use_seedable_sampler)
         place = self.device_placement if device_placement is None else device_placement
         # Resumable: save_state records the position in the pass, load_state skips ahead.

@@ -77,6 +77,11 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
         "script", "check_seedable_sampler_in_batch_sampler_shard()", (2,)),
     "script.training": ("script", "training_check(use_seedable_sampler=False)", (1, 2)),
     "script.training_seedable_sampler": ("script", "training_check(use_seedable_sampler=True)", (1, 2)),
+    # The same, with the two names that read Accelerate's process-wide state singleton
+    # (AcceleratorState(), and are_the_same_tensors which calls it) taken from the
+    # Accelerator under test instead: see state_overrides().
+    "script.training[own_state]": ("script", "training_check(use_seedable_sampler=False)", (1, 2)),
+    "script.training_seedable_sampler[own_state]": ("script", "training_check(use_seedable_sampler=True)", (1, 2)),
     "script.trigger": ("script", "test_trigger()", (1, 2)),
     "script.reinstantiated_state": ("script", "test_reinstantiated_state()", (1, 2)),
     # test_distributed_data_loop.py (asserts two processes)
@@ -112,6 +117,33 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
 }
 
 _DROPPED_IMPORTS = re.compile(r"^(import (datasets|evaluate|transformers)|from (datasets|transformers) import .*)$", re.M)
+
+
+def state_overrides(module, library: str) -> dict:
+    """For the ``[own_state]`` checks: ``AcceleratorState()`` gives ``Accelerator().state`` of
+    the Accelerator under test, and ``are_the_same_tensors`` gathers with it. Accelerate's
+    ``AcceleratorState._reset_state()`` (called before changing the precision) is kept for
+    Accelerate; mixprec's Accelerators are independent objects, there is nothing to reset."""
+    import torch
+
+    accelerator_cls = module.Accelerator
+    real = module.AcceleratorState
+
+    class StateOfAccelerator:
+        def __new__(cls):
+            return accelerator_cls().state
+
+        @staticmethod
+        def _reset_state(*args, **kwargs):
+            if library == "accelerate":
+                real._reset_state(*args, **kwargs)
+
+    def are_the_same_tensors(tensor):
+        acc = accelerator_cls()
+        gathered = acc.gather(tensor[None].clone().to(acc.device)).cpu()
+        return all(torch.equal(gathered[0], t) for t in gathered)
+
+    return {"AcceleratorState": StateOfAccelerator, "are_the_same_tensors": are_the_same_tensors}
 
 
 def checks_for(world_size: int) -> list[str]:
@@ -233,14 +265,24 @@ def main(argv: list[str]) -> int:
     log = open(out / f"rank{rank}.jsonl", "a", buffering=1)
     modules = {}
     with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # process_execution_check writes a file into the current directory
+        # process_execution_check has every rank append to one file in the current directory.
+        shared = out / "cwd"
+        shared.mkdir(exist_ok=True)
+        os.chdir(shared)
         for name in names:
             script, expr, _ = CHECKS[name]
             error = None
             try:
                 if script not in modules:
                     modules[script] = load(script, library, Path(tmp))
-                eval(expr, vars(modules[script]))  # noqa: S307 - expressions from CHECKS above
+                module = modules[script]
+                overrides = state_overrides(module, library) if name.endswith("[own_state]") else {}
+                saved = {k: getattr(module, k) for k in overrides}
+                vars(module).update(overrides)
+                try:
+                    eval(expr, vars(module))  # noqa: S307 - expressions from CHECKS above
+                finally:
+                    vars(module).update(saved)
             except BaseException as e:  # noqa: BLE001 - report every failure, the run goes on
                 error = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
             log.write(json.dumps({"check": name, "ok": error is None, "error": error}) + "\n")

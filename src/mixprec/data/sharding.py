@@ -409,20 +409,23 @@ def shard_dataloader(
         return DataLoader(shard, batch_size=per_rank, drop_last=drop_last, **kept)
 
     shuffle_seed = None
-    if isinstance(sampler, RandomSampler) and (seed is not None or use_seedable_sampler):
-        if sampler.replacement or sampler._num_samples is not None:
-            raise ValueError(
-                f"a seeded shuffle cannot replace a RandomSampler with replacement={sampler.replacement} / "
-                f"num_samples={sampler._num_samples}; use shuffle=True without them, or no seed"
-            )
-        if seed is None:
-            seed = broadcast_object_list(state, [torch.initial_seed()], src=0)[0]
-        shuffle_seed = seed
-    elif seed is not None:
+    plain_shuffle = (type(sampler) is RandomSampler and not sampler.replacement
+                     and sampler.num_samples == len(dataloader.dataset))
+    if seed is not None and not isinstance(sampler, RandomSampler):
         raise ValueError(
             f"seed={seed!r} only applies to shuffling loaders (RandomSampler), but this loader uses "
             f"{type(sampler).__name__}; drop seed= or build the DataLoader with shuffle=True"
         )
+    if seed is not None and not plain_shuffle:
+        raise ValueError(
+            f"a seeded shuffle replaces the loader's RandomSampler by randperm(seed + epoch), but this "
+            f"{type(sampler).__name__} has replacement={sampler.replacement} / num_samples={sampler.num_samples}; "
+            f"use shuffle=True without them, or no seed (the sampler's generator is then synchronised)"
+        )
+    if plain_shuffle and (seed is not None or use_seedable_sampler):
+        if seed is None:
+            seed = broadcast_object_list(state, [torch.initial_seed()], src=0)[0]
+        shuffle_seed = seed
     elif type(sampler) is RandomSampler and sampler.generator is None:
         # Its order would come from each rank's own torch RNG: draw from a generator instead,
         # seeded from rank 0 and synchronised at every pass (the user's sampler is untouched).

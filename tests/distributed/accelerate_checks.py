@@ -53,6 +53,14 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "ops.reduce_mean": ("ops", "test_reduce_mean(Accelerator().state)", (2,)),
     "ops.reduce_max": ("ops", "test_reduce_max(Accelerator().state)", (2,)),
     "ops.op_checker": ("ops", "test_op_checker(Accelerator().state)", (2,)),
+    # The same through the Accelerator's own gather / pad_across_processes / reduce (the
+    # module-level accelerate.utils functions read Accelerate's PartialState singleton).
+    "ops.gather[own_state]": ("ops", "test_gather(Accelerator().state)", (1, 2)),
+    "ops.gather_non_contiguous[own_state]": ("ops", "test_gather_non_contiguous(Accelerator().state)", (1, 2)),
+    "ops.pad_across_processes[own_state]": ("ops", "test_pad_across_processes(Accelerator().state)", (1, 2)),
+    "ops.reduce_sum[own_state]": ("ops", "test_reduce_sum(Accelerator().state)", (2,)),
+    "ops.reduce_mean[own_state]": ("ops", "test_reduce_mean(Accelerator().state)", (2,)),
+    "ops.reduce_max[own_state]": ("ops", "test_reduce_max(Accelerator().state)", (2,)),
     # test_sync.py
     "sync.dataloader_break": ("sync", "test_dataloader_break()", (1, 2)),
     "sync.noop_sync": ("sync", "test_noop_sync(Accelerator())", (1,)),
@@ -121,13 +129,14 @@ _DROPPED_IMPORTS = re.compile(r"^(import (datasets|evaluate|transformers)|from (
 
 def state_overrides(module, library: str) -> dict:
     """For the ``[own_state]`` checks: ``AcceleratorState()`` gives ``Accelerator().state`` of
-    the Accelerator under test, and ``are_the_same_tensors`` gathers with it. Accelerate's
+    the Accelerator under test, ``are_the_same_tensors`` gathers with it, and test_ops.py's
+    ``gather``/``pad_across_processes``/``reduce`` are that Accelerator's methods. Accelerate's
     ``AcceleratorState._reset_state()`` (called before changing the precision) is kept for
     Accelerate; mixprec's Accelerators are independent objects, there is nothing to reset."""
     import torch
 
     accelerator_cls = module.Accelerator
-    real = module.AcceleratorState
+    real = getattr(module, "AcceleratorState", None)
 
     class StateOfAccelerator:
         def __new__(cls):
@@ -143,7 +152,10 @@ def state_overrides(module, library: str) -> dict:
         gathered = acc.gather(tensor[None].clone().to(acc.device)).cpu()
         return all(torch.equal(gathered[0], t) for t in gathered)
 
-    return {"AcceleratorState": StateOfAccelerator, "are_the_same_tensors": are_the_same_tensors}
+    overrides = {"AcceleratorState": StateOfAccelerator, "are_the_same_tensors": are_the_same_tensors}
+    acc = accelerator_cls()
+    overrides.update(gather=acc.gather, pad_across_processes=acc.pad_across_processes, reduce=acc.reduce)
+    return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 
 def checks_for(world_size: int) -> list[str]:
@@ -259,8 +271,9 @@ def main(argv: list[str]) -> int:
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         raise SystemExit(f"unknown checks {unknown}; known: {sorted(CHECKS)}")
-    if library == "accelerate":
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    # What `accelerate launch --cpu` exports; the scripts' own accelerate.utils calls
+    # (gather, prepare_data_loader...) read it under either library.
+    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / f"rank{rank}.jsonl", "a", buffering=1)
     modules = {}

@@ -220,14 +220,15 @@ def run_checks(library: str, world_size: int, names: list[str], out: Path,
         d = out / f"{library}-w{world_size}-{attempt}"
         d.mkdir(parents=True)
         port = _free_port()
-        procs = []
+        procs, logs = [], []
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+            logs.append(open(d / f"stdout{rank}.txt", "w"))
             procs.append(subprocess.Popen(
                 [python, __file__, library, str(d), *remaining], env=env,
-                stdout=open(d / f"stdout{rank}.txt", "w"), stderr=subprocess.STDOUT))
+                stdout=logs[-1], stderr=subprocess.STDOUT))
 
         def reported() -> list[dict[str, dict]]:
             per_rank = []
@@ -249,6 +250,8 @@ def run_checks(library: str, world_size: int, names: list[str], out: Path,
             if p.poll() is None:
                 p.kill()
             p.wait()
+        for f in logs:
+            f.close()
         per_rank = reported()
         for name in list(remaining):
             rows = [r.get(name) for r in per_rank]

@@ -155,7 +155,12 @@ class MLflowTracker(Tracker):
     def __init__(self, run_name: str, logging_dir: Union[str, os.PathLike], **kwargs: Any) -> None:
         import mlflow
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(logging_dir).resolve() / "mlruns").as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (Path(logging_dir).resolve() / "mlruns").as_uri()
+            # MLflow 3 refuses its file store unless asked for it explicitly: this tracker's
+            # default is that local store, so it asks (set MLFLOW_TRACKING_URI to use another).
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(uri)
         experiment = mlflow.set_experiment(kwargs.pop("experiment_name", run_name))
         self.run = mlflow.start_run(experiment_id=experiment.experiment_id, **kwargs)

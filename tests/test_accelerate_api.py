@@ -361,8 +361,9 @@ def test_log_with_errors(tmp_path):
     with pytest.raises(ValueError, match="log_with='nope' is not a tracker"):
         _acc(log_with="nope")
     acc = _acc(log_with="jsonl", project_dir=str(tmp_path))
-    with pytest.raises(RuntimeError, match="before init_trackers"):
+    with pytest.raises(RuntimeError, match="before init_trackers\\(\\): log_with='jsonl'"):
         acc.log({"a": 1})
+    _acc().log({"a": 1})  # no log_with: a no-op before init_trackers, as in Accelerate
     with pytest.raises(ValueError, match="init_kwargs has keys \\['wandb'\\]"):
         acc.init_trackers("x", init_kwargs={"wandb": {}})
 

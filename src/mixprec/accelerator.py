@@ -196,6 +196,7 @@ class Accelerator(AccelerateApi):
         if compat.timeout is not None:
             timeout = compat.timeout
         self._log_with = tracking.resolve_log_with(log_with)
+        self._log_with_given = log_with
         self.trackers: list = []
         args = {key: (value, key) for key, value in given.items() if value is not None}
         if max_consecutive_overflows is not NOT_GIVEN:

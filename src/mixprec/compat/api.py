@@ -35,7 +35,7 @@ class RemovableHandle:
         self._hooks.pop(self.id, None)
 
 
-def _only_when(predicate: Callable[[Any], bool], function: Optional[Callable], name: str):
+def _only_when(predicate: Callable[[], bool], function: Optional[Callable], name: str):
     if function is None:  # used as @accelerator.on_main_process() with parentheses
         return lambda f: _only_when(predicate, f, name)
     if not callable(function):
@@ -43,7 +43,7 @@ def _only_when(predicate: Callable[[Any], bool], function: Optional[Callable], n
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        if predicate(None):
+        if predicate():
             return function(*args, **kwargs)
         return None
 
@@ -71,27 +71,25 @@ class AccelerateApi:
 
     def on_main_process(self, function: Optional[Callable] = None):
         """Decorator: run ``function`` on the main process only (None elsewhere)."""
-        return _only_when(lambda _: self.state.rank == 0, function, "on_main_process")
+        return _only_when(lambda: self.state.rank == 0, function, "on_main_process")
 
     def on_local_main_process(self, function: Optional[Callable] = None):
         """Decorator: run ``function`` on each node's main process only."""
-        return _only_when(lambda _: self.state.local_rank == 0, function, "on_local_main_process")
+        return _only_when(lambda: self.state.local_rank == 0, function, "on_local_main_process")
 
     def on_last_process(self, function: Optional[Callable] = None):
         """Decorator: run ``function`` on the last process only."""
-        return _only_when(lambda _: self.is_last_process, function, "on_last_process")
+        return _only_when(lambda: self.is_last_process, function, "on_last_process")
 
     def on_process(self, function: Optional[Callable] = None, process_index: Optional[int] = None):
         """Decorator: run ``function`` on process ``process_index`` only."""
-        if function is not None and not callable(function) and process_index is None:
-            function, process_index = None, function  # on_process(3)
         self._check_index(process_index, self.state.world_size, "process_index")
-        return _only_when(lambda _: self.state.rank == process_index, function, "on_process")
+        return _only_when(lambda: self.state.rank == process_index, function, "on_process")
 
     def on_local_process(self, function: Optional[Callable] = None, local_process_index: Optional[int] = None):
         """Decorator: run ``function`` on local process ``local_process_index`` of each node."""
         self._check_index(local_process_index, self.state.local_world_size, "local_process_index")
-        return _only_when(lambda _: self.state.local_rank == local_process_index, function, "on_local_process")
+        return _only_when(lambda: self.state.local_rank == local_process_index, function, "on_local_process")
 
     @staticmethod
     def _check_index(index: Any, size: int, name: str) -> None:
@@ -129,13 +127,17 @@ class AccelerateApi:
 
     def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
         """Log ``values`` (name -> number/string) at ``step`` to every tracker (main process
-        only). ``log_kwargs={"tensorboard": {...}}`` goes to that tracker's log call."""
+        only). ``log_kwargs={"tensorboard": {...}}`` goes to that tracker's log call. Before
+        :meth:`init_trackers` it does nothing when ``log_with`` was not given (Accelerate's
+        behaviour) and raises when it was."""
         if not isinstance(values, dict):
             raise TypeError(f"log(values={values!r}) must be a dict of name -> value")
         if self.state.rank != 0:
             return
-        if not self.trackers and self._log_with:
-            raise RuntimeError("log() before init_trackers(); call accelerator.init_trackers(project_name) first")
+        if not self.trackers and self._log_with_given:
+            # Without log_with, log() before init_trackers() is a no-op, as in Accelerate.
+            raise RuntimeError(f"log() before init_trackers(): log_with={self._log_with_given!r} asks for "
+                               f"trackers; call accelerator.init_trackers(project_name) first")
         log_kwargs = log_kwargs or {}
         for tracker in self.trackers:
             tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))

@@ -212,6 +212,8 @@ class ShardedBatches(torch.utils.data.Sampler):
         n = len(self.batch_sampler)
         if self.split_batches:
             return n
+        if self.drop_last:
+            return n // self.world_size
         if self.even_batches:
             return math.ceil(n / self.world_size)
         return n // self.world_size + (1 if self.rank < n % self.world_size else 0)
@@ -247,6 +249,8 @@ class ShardedBatches(torch.utils.data.Sampler):
             return steps
         for k in range(0, len(batches), W):
             group = batches[k:k + W]
+            if self.drop_last and (len(group) < W or len(group[-1]) < size):
+                break  # a drop_last batch sampler: no incomplete global step
             real = sum(len(b) for b in group)
             if self.even_batches and flat:
                 group = [b + [next(wrap) for _ in range(size - len(b))] if len(b) < size else b for b in group]

@@ -85,6 +85,24 @@ def test_accelerates_own_option_objects_are_accepted():
     assert acc.gradient_state.sync_each_batch is True
 
 
+def test_accelerates_kwargs_handlers_are_accepted():
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DDPCommunicationHookType
+    from accelerate.utils import DistributedDataParallelKwargs as DDPKwargs
+    from accelerate.utils import GradScalerKwargs as ScalerKwargs
+
+    acc = _acc(backend="ddp", kwargs_handlers=[DDPKwargs(find_unused_parameters=True)])
+    assert acc.config.engine_options()["find_unused_parameters"] is True
+    acc.end_training()
+    with pytest.raises(ValueError, match="has no communication hooks"):
+        _acc(kwargs_handlers=[DDPKwargs(comm_hook=DDPCommunicationHookType.FP16)])
+    try:
+        fp16 = _acc(mixed_precision="fp16", kwargs_handlers=[ScalerKwargs(init_scale=256.0)])
+    except ValueError as e:  # a CPU without fp16 autocast
+        pytest.skip(f"fp16 not available here: {e}")
+    assert fp16.loss_scale == 256.0
+
+
 def test_gradient_accumulation_plugin():
     acc = _acc(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
     assert acc.gradient_accumulation_steps == 4 and acc.gradient_state.num_steps == 4

@@ -145,6 +145,14 @@ def sort_handlers(handlers: Any) -> dict[str, Any]:
             fix = _NO_COUNTERPART.get(name, "give DistributedDataParallelKwargs, InitProcessGroupKwargs "
                                             "or GradScalerKwargs")
             raise ValueError(f"kwargs_handlers: {name} is not supported by mixprec; {fix}")
+        if name == "DistributedDataParallelKwargs":
+            # Accelerate's class also has communication-hook fields; mixprec's ddp engine has no hooks.
+            hook = getattr(h, "comm_hook", None)
+            if str(getattr(hook, "value", hook)).lower() not in ("none", "no"):
+                raise ValueError(
+                    f"DistributedDataParallelKwargs(comm_hook={hook!r}): mixprec's ddp engine has no "
+                    f"communication hooks; for bf16 gradient communication use PrecisionPolicy(reduce_dtype=torch.bfloat16) (docs/backends.md)"
+                )
         found[name] = read_fields(h, _HANDLERS[name], "kwargs_handlers item")
     return found
 

@@ -8,10 +8,12 @@ with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...). The scripts ar
 the installed ``accelerate/test_utils/scripts/`` and written to a temporary copy; for
 ``mixprec`` one line is added after their imports, ``from mixprec import Accelerator``,
 so only the Accelerator class changes (everything else, ``DataLoaderConfiguration``,
-``RegressionModel``, ``gather``..., stays Accelerate's). ``test_ops.py``, which has no Accelerator, gets
-the import (Accelerate's or mixprec's) so its checks can take ``Accelerator().state``.
-``external_deps/test_metrics.py`` also loses its ``datasets``/``evaluate``/``transformers`` imports, which only its MRPC
-check (not run here) uses.
+``RegressionModel``, ``gather``..., stays Accelerate's). ``test_ops.py``, which has no
+Accelerator, gets the import (Accelerate's or mixprec's) so its checks can take
+``Accelerator().state``. ``external_deps/test_metrics.py`` also loses its
+``datasets``/``evaluate``/``transformers`` imports, which only its MRPC check (not run
+here) uses. Checks named ``...[own_state]`` rebind a few module names first (see
+:func:`state_overrides`).
 
 Every check appends one JSON line ``{"check", "ok", "error"}`` to ``OUT_DIR/rank<r>.jsonl``
 as soon as it ends, so a harness can tell which check hung or crashed a rank and restart

@@ -97,6 +97,10 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     # test_distributed_data_loop.py (asserts two processes)
     "loop.even_batches": ("loop", "test_default_ensures_even_batch_sizes()", (2,)),
     "loop.disable_even_batches": ("loop", "test_can_disable_even_batches()", (2,)),
+    "loop.join_uneven_inputs": ("loop", "test_can_join_uneven_inputs()", (2,)),
+    "loop.join_overrides_even_batches": ("loop", "test_join_can_override_even_batches()", (2,)),
+    "loop.join_mixed_type_dataloaders": ("loop", "test_join_can_override_for_mixed_type_dataloaders()", (2,)),
+    "loop.join_iterable_warning": ("loop", "test_join_raises_warning_for_iterable_when_overriding_even_batches()", (2,)),
     "loop.pickle_accelerator": ("loop", "test_pickle_accelerator()", (2,)),
     "loop.data_loader_no_shuffle": (
         "loop", "test_data_loader(DataLoader(DummyDataset(), shuffle=False, batch_size=BATCH_SIZE, "
@@ -226,7 +230,7 @@ def run_checks(library: str, world_size: int, names: list[str], out: Path,
         for rank in range(world_size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+                       OMP_NUM_THREADS="1")
             logs.append(open(d / f"stdout{rank}.txt", "w"))
             procs.append(subprocess.Popen(
                 [python, __file__, library, str(d), *remaining], env=env,

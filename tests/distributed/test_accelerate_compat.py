@@ -33,7 +33,10 @@ HERE = Path(__file__).parent
 # "not in sync" assertion needs two), ops.op_checker on two (Gloo aborts on the mismatched
 # shapes the check sends on purpose), and the loop.join_* checks (Accelerate's
 # join_uneven_inputs warns that it only works on GPUs and does nothing on CPU).
-ACCELERATE_FAILS = {1: {"sync.accumulation"}, 2: {"ops.op_checker"} | {n for n in ac.CHECKS if n.startswith("loop.join_")}}
+ACCELERATE_FAILS = {
+    1: {"sync.accumulation"},
+    2: {"ops.op_checker"} | {n for n in ac.CHECKS if n.startswith("loop.join_")},
+}
 ACCELERATE_PASSES = {w: [n for n in ac.checks_for(w) if n not in ACCELERATE_FAILS[w]] for w in (1, 2)}
 
 # Checks that read Accelerate's private process-wide state, which a mixprec Accelerator

@@ -158,12 +158,12 @@ def _eval_uneven(state, n):
 
 
 def _shuffled_epochs(state):
-    # seed=None: rank 0 draws the seed and broadcasts it; torch's RNG differs per rank on purpose
+    # seed=None: the order comes from a generator seeded by rank 0 and synchronised at every
+    # pass; torch's RNG differs per rank on purpose. No set_epoch: each pass draws anew.
     torch.manual_seed(1000 + state.rank)
     loader = shard_dataloader(DataLoader(_dataset(12), batch_size=3, shuffle=True), state)
     out = []
-    for e in range(2):
-        loader.batch_sampler.set_epoch(e)
+    for _ in range(2):
         out.append(torch.cat(gather_for_metrics(state, [b for (b,) in loader], None)).tolist())
     return out
 

@@ -12,6 +12,15 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from .accelerator import Accelerator
 from .checkpoint.rotation import ProjectConfiguration
+from .compat import (
+    AcceleratorState,
+    DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
 from .config import ConfigError, MixprecConfig
 from .diagnostics import doctor
 from .engines.units import set_leaf_modules
@@ -32,6 +41,13 @@ from .step import StepResult
 __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
+    "AcceleratorState",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradientAccumulationPlugin",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
     "build_info",
     "ConfigError",
     "doctor",

@@ -40,6 +40,10 @@ from .wrappers.dataloader import PreparedDataLoader
 from .wrappers.model import AutocastGate, is_prepared, restore_class
 from .wrappers.optimizer import PreparedOptimizer
 from .wrappers.scheduler import PreparedScheduler
+from .compat.api import AccelerateApi
+from .compat.setup import translate as translate_accelerate_options
+from .compat.state import AcceleratorState
+from . import tracking
 
 logger = logging.getLogger("mixprec")
 
@@ -71,7 +75,7 @@ class PreparedObjects:
         return [o.optimizer for o in self.optimizers]
 
 
-class Accelerator:
+class Accelerator(AccelerateApi):
     """Keep your training loop; get correct mixed precision on any backend.
 
     Example::
@@ -136,6 +140,26 @@ class Accelerator:
         nonfinite_grads: bf16/fp32: ``"skip"`` (default) skips a step whose gradients hold
             inf/nan on any rank (reason ``'nonfinite'``); ``"raise"`` raises
             :class:`mixprec.NonFiniteGradientsError` naming the step.
+
+    Accelerate's options (keyword-only here; docs/migrating.md):
+
+    Args:
+        device_placement: move prepared models and batches to the device (default True;
+            False leaves batches where the dataloader puts them).
+        dataloader_config: a ``DataLoaderConfiguration`` (``split_batches``, ``even_batches``,
+            ``use_seedable_sampler``, ``data_seed``, ``non_blocking``); mixprec's or Accelerate's.
+        gradient_accumulation_plugin: a ``GradientAccumulationPlugin`` (``num_steps``,
+            ``sync_each_batch``); mixprec's or Accelerate's.
+        kwargs_handlers: ``DistributedDataParallelKwargs`` (ddp engine options),
+            ``InitProcessGroupKwargs`` (``timeout``), ``GradScalerKwargs`` (fp16 scaler).
+        log_with: trackers for :meth:`init_trackers`/:meth:`log` (mixprec/tracking.py):
+            ``"jsonl"`` (default), ``"tensorboard"``, ``"mlflow"``, ``"wandb"``, ``"all"``,
+            tracker objects, or a list of them.
+        scheduler_step_rule: ``"accelerate"`` (default): a prepared scheduler steps
+            ``num_processes`` times per optimizer step unless ``split_batches`` (each process
+            saw its own batch, so a schedule written in single-process batches advances as
+            far as one process would have); ``"optimizer"``: once per optimizer step
+            (mixprec 0.1's rule). Both skip while accumulating and after skipped steps.
     """
 
     def __init__(
@@ -165,6 +189,12 @@ class Accelerator:
         project_dir: Optional[str] = None,
         project_config: Optional[ProjectConfiguration] = None,
         activation_checkpointing: Any = None,
+        device_placement: bool = True,
+        dataloader_config: Any = None,
+        gradient_accumulation_plugin: Any = None,
+        kwargs_handlers: Optional[list] = None,
+        log_with: Any = None,
+        scheduler_step_rule: str = "accelerate",
     ) -> None:
         given = {
             "mixed_precision": mixed_precision, "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -174,6 +204,16 @@ class Accelerator:
             "split_batches": split_batches, "even_batches": even_batches, "data_seed": data_seed,
             "gradient_clipping": gradient_clipping, "nonfinite_grads": nonfinite_grads,
         }
+        compat = translate_accelerate_options(
+            given, dataloader_config=dataloader_config, gradient_accumulation_plugin=gradient_accumulation_plugin,
+            kwargs_handlers=kwargs_handlers, scaler=scaler, scheduler_step_rule=scheduler_step_rule,
+        )
+        given, scaler = compat.given, scaler if compat.scaler is None else compat.scaler
+        if compat.timeout is not None:
+            timeout = compat.timeout
+        self._log_with = tracking.resolve_log_with(log_with)
+        self._log_with_given = log_with
+        self.trackers: list = []
         args = {key: (value, key) for key, value in given.items() if value is not None}
         if max_consecutive_overflows is not NOT_GIVEN:
             args["max_consecutive_overflows"] = (max_consecutive_overflows, "max_consecutive_overflows")
@@ -210,7 +250,10 @@ class Accelerator:
             _CREATED_GROUPS.add(self.state.group.group_name)
         self._ended = False
         _LIVE.add(self)
-        if engine_cls.name != self.config.backend:  # WORLD_SIZE unset but a group exists
+        if engine_cls.name == "ddp" and compat.ddp_options:
+            # DistributedDataParallelKwargs apply to the ddp engine only (as in Accelerate).
+            options = {**compat.ddp_options, **options}
+        if engine_cls.name != self.config.backend or (engine_cls.name == "ddp" and compat.ddp_options):
             self.config = resolve_config(config, args=args, engine_options=options,
                                          world_size=self.state.world_size)
         check_device_supports(self.device, self.policy)
@@ -223,11 +266,20 @@ class Accelerator:
             if creates_group:  # nothing else will tear down the group made for this engine
                 destroy_distributed(self.state)
             raise
+        self._engine_args = (engine_cls, cfg.fused_optimizer, options)  # free_memory() builds anew
         self.engine.set_nonfinite_policy(cfg.nonfinite_grads)
+        # Accelerate's attribute names over the same DistributedState (compat/state.py).
+        self.state = AcceleratorState.from_state(self.state, mixed_precision=self.policy.name,
+                                                 backend_name=engine_cls.name)
         self.split_batches = cfg.split_batches
         self.even_batches = cfg.even_batches
         self.data_seed = cfg.data_seed
         self.gradient_state = GradientState(cfg.gradient_accumulation_steps)
+        self.gradient_state.sync_each_batch = compat.sync_each_batch
+        self.use_seedable_sampler = compat.use_seedable_sampler
+        self.non_blocking = compat.non_blocking
+        self.device_placement = bool(device_placement)
+        self.scheduler_step_rule = scheduler_step_rule
         self.step_scheduler_with_optimizer = cfg.step_scheduler_with_optimizer
         # Clip to this norm before every real step the user did not clip (None: off).
         self.gradient_clipping: Optional[float] = cfg.gradient_clipping
@@ -246,6 +298,19 @@ class Accelerator:
         self.project_configuration = resolve_project_configuration(project_dir, project_config)
         self._checkpoint_objects: list[Any] = []  # registered with register_for_checkpointing
         self._call_check = CallCheck(self.project_configuration.collective_timeout_s)
+        self._save_hooks: dict = {}  # register_save_state_pre_hook
+        self._load_hooks: dict = {}  # register_load_state_pre_hook
+        self._no_sync_depth: dict[int, int] = {}  # id(model) -> open no_sync blocks
+        self._trigger = False  # set_trigger / check_trigger
+
+    def _renew_engine(self) -> None:
+        """free_memory(): a fresh engine of the same kind, the old one's buffers released."""
+        engine_cls, fused, options = self._engine_args
+        old = self.engine
+        old.release()
+        self.engine = engine_cls(self.policy, self.device, fused_optimizer=fused, **options)
+        self.engine.set_nonfinite_policy(old.nonfinite_grads)
+        self.gradient_state.step, self.gradient_state.sync_gradients = 0, True
 
     # ------------------------------------------------------------------ info
     @property
@@ -264,6 +329,15 @@ class Accelerator:
     def sync_gradients(self) -> bool:
         """True when the current micro-batch ends an accumulation window."""
         return self.gradient_state.sync_gradients
+
+    @property
+    def dataloader_config(self):
+        """The dataloader settings in effect, as a ``DataLoaderConfiguration``."""
+        from .compat.options import DataLoaderConfiguration
+
+        return DataLoaderConfiguration(split_batches=self.split_batches, even_batches=self.even_batches,
+                                       use_seedable_sampler=self.use_seedable_sampler, data_seed=self.data_seed,
+                                       non_blocking=self.non_blocking)
 
     @property
     def num_processes(self) -> int:
@@ -363,20 +437,41 @@ class Accelerator:
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
         optimizers = [o for o in self._optimizers if o.optimizer is inner or o is inner] or list(self._optimizers)
+        steps = 1 if self.scheduler_step_rule == "optimizer" or self.split_batches else self.num_processes
         prepared = PreparedScheduler(
-            scheduler, optimizers, self.gradient_state, self.step_scheduler_with_optimizer
+            scheduler, optimizers, self.gradient_state, self.step_scheduler_with_optimizer,
+            steps_per_optimizer_step=steps,
         )
         self._schedulers.append(prepared)
         return prepared
 
-    def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader) -> PreparedDataLoader:
+    def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader,
+                            device_placement: Optional[bool] = None) -> PreparedDataLoader:
+        if isinstance(dataloader, PreparedDataLoader):
+            if dataloader in self._dataloaders:
+                return dataloader  # preparing twice gives the same loader
+            dataloader = dataloader.original  # another Accelerator's: shard the user's loader anew
+        original = dataloader
+        # data_seed / use_seedable_sampler concern plain shuffling loaders only.
+        plain_shuffle = (type(dataloader.sampler) is torch.utils.data.RandomSampler
+                         and not dataloader.sampler.replacement
+                         and dataloader.sampler.num_samples == len(dataloader.dataset))
+        seed = self.data_seed if plain_shuffle else None
+        seeded = plain_shuffle and (self.use_seedable_sampler or seed is not None)
         if self.state.world_size > 1:
             dataloader = shard_dataloader(
                 dataloader, self.state, split_batches=self.split_batches,
-                even_batches=self.even_batches, seed=self.data_seed,
+                even_batches=self.even_batches, seed=seed,
+                use_seedable_sampler=self.use_seedable_sampler,
             )
+        elif seeded:
+            # One process: the same seeded order (seed + epoch) several processes would share.
+            dataloader = shard_dataloader(dataloader, self.state, seed=seed,
+                                          use_seedable_sampler=self.use_seedable_sampler)
+        place = self.device_placement if device_placement is None else device_placement
         # Resumable: save_state records the position in the pass, load_state skips ahead.
-        prepared = ResumableDataLoader(dataloader, self.device, self.gradient_state)
+        prepared = ResumableDataLoader(dataloader, self.device if place else None, self.gradient_state,
+                                       original=original, non_blocking=self.non_blocking)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -443,14 +538,20 @@ class Accelerator:
         optimizer and scheduler step only at the boundary (or the end of the dataloader)."""
         self.gradient_state.advance()
         with contextlib.ExitStack() as stack:
-            if not self.gradient_state.sync_gradients:
+            if not self.gradient_state.sync_gradients and not self.gradient_state.sync_each_batch:
                 for m in models:
-                    stack.enter_context(self.engine.no_sync(m))
+                    stack.enter_context(self.no_sync(m))
             yield
 
+    @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
         """Skip gradient communication for the backward calls inside."""
-        return self.engine.no_sync(model)
+        with self.engine.no_sync(model):
+            self._no_sync_depth[id(model)] = self._no_sync_depth.get(id(model), 0) + 1
+            try:
+                yield
+            finally:
+                self._no_sync_depth[id(model)] -= 1
 
     # ----------------------------------------------------------- reporting
     @property
@@ -509,9 +610,15 @@ class Accelerator:
         remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else None
         return collectives.gather_for_metrics(self.state, input_data, remainder)
 
-    def reduce(self, tensor, reduction: str = "sum"):
-        """Reduce tensors across processes (``"sum"`` or ``"mean"``); returns new tensors."""
-        return collectives.reduce(self.state, tensor, reduction)
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """Reduce tensors across processes (``"sum"``, ``"mean"``, ``"max"``, ``"min"``), then
+        multiply by ``scale``; returns new tensors."""
+        out = collectives.reduce(self.state, tensor, reduction)
+        if scale != 1.0:
+            from .utils import tree_map_tensors
+
+            out = tree_map_tensors(lambda t: t * scale, out)
+        return out
 
     def pad_across_processes(self, tensor, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
         """Pad tensors on ``dim`` to the largest size over processes, so they can be gathered."""
@@ -528,6 +635,7 @@ class Accelerator:
         cores): a group destroyed here but kept alive by them would only be torn down at
         interpreter exit, where Gloo aborts ("terminate called without an active exception").
         """
+        self._finish_trackers()
         self._ended = True
         self.engine.release()
         gc.collect()
@@ -545,7 +653,8 @@ class Accelerator:
             )
         self._checkpoint_objects.extend(objects)
 
-    def save_state(self, output_dir: Optional[str] = None) -> str:
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs) -> str:
         """Save models, optimizers, scaler, schedulers, RNG, dataloader positions and registered
         objects to ``output_dir`` (or the next ``checkpoint_<k>`` with automatic naming).
 
@@ -561,6 +670,12 @@ class Accelerator:
         from .checkpoint import rotation
         from .checkpoint.state import save_accelerator_state
 
+        if not safe_serialization or save_model_func_kwargs:
+            raise ValueError(
+                f"save_state(safe_serialization={safe_serialization!r}, {sorted(save_model_func_kwargs)}): mixprec "
+                "checkpoints have one format (checksummed tensor files, docs/checkpointing.md) and no "
+                "per-model save options; call save_state(output_dir) and use save_model() for exports"
+            )
         self._call_check(self.state, "save_state")
         config = self.project_configuration
         automatic = output_dir is None and config.automatic_checkpoint_naming
@@ -571,6 +686,7 @@ class Accelerator:
             )
         target = config.checkpoints_dir / f"checkpoint_{config.iteration}" if automatic else Path(output_dir)
         save_accelerator_state(self, target, self._checkpoint_objects)
+        self._run_save_hooks(str(target))
         if automatic:
             config.iteration += 1
             if self.is_main_process:
@@ -602,34 +718,38 @@ class Accelerator:
             source = rotation.latest_checkpoint(config.checkpoints_dir)
         else:
             source = Path(input_dir)
+        self._run_load_hooks(str(source))
         load_accelerator_state(self, source, self._checkpoint_objects)
         number = rotation.checkpoint_number(source)
         if config.automatic_checkpoint_naming and number is not None:
             config.iteration = number + 1
         return str(source)
 
-    def save_model(self, model: nn.Module, save_directory: str, dtype: Union[str, torch.dtype, None] = None) -> str:
+    def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Union[int, str] = "10GB",
+                   safe_serialization: bool = True, *, dtype: Union[str, torch.dtype, None] = None) -> str:
         """Write ``model``'s full weights (fp32 masters, cast to ``dtype`` if given) to
-        ``save_directory/model.safetensors``. Call it on every process; the main process writes.
+        ``save_directory/model.safetensors`` (``pytorch_model.bin`` with
+        ``safe_serialization=False``), split into ``model-0000k-of-0000n.safetensors`` files
+        plus an index when larger than ``max_shard_size`` (bytes, or ``"10GB"``, ``"500MiB"``).
+        Call it on every process; the main process writes. Returns the file (or index) written.
 
         Example::
 
             accelerator.save_model(model, "export", dtype="bf16")
         """
-        from pathlib import Path
-
-        from .checkpoint.consolidate import write_state_dict
+        from .compat.export import parse_size, write_model
 
         self._call_check(self.state, "save_model")
+        limit = parse_size(max_shard_size)
         state = self.get_state_dict(model)
-        out = Path(save_directory) / "model.safetensors"
+        out = None
         error = None
         if self.is_main_process:
             try:
-                write_state_dict(state, out, dtype)
+                out = write_model(state, save_directory, limit, safe_serialization, dtype)
             except (ValueError, OSError) as e:
                 error = f"{type(e).__name__}: {e}"
-        error = collectives.broadcast_object_list(self.state, [error])[0]
+        error, out = collectives.broadcast_object_list(self.state, [error, out])
         if error is not None:
             raise ValueError(f"save_model({str(save_directory)!r}) failed: {error}")
         return str(out)

@@ -15,6 +15,22 @@ class GradientState:
         self.end_of_dataloader = False  # the prepared dataloader just yielded its last batch
         self.active_dataloaders = 0  # prepared dataloaders currently being iterated
         self.remainder: Optional[int] = None  # real samples in the last global batch (sharded)
+        self.dataloader_stack: list = []  # prepared dataloaders being iterated, innermost last
+        self.sync_each_batch = False  # communicate gradients on every micro-batch (plugin option)
+
+    @property
+    def active_dataloader(self):
+        """The prepared dataloader being iterated (the innermost one), or None."""
+        return self.dataloader_stack[-1] if self.dataloader_stack else None
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.dataloader_stack)
+
+    @property
+    def num_steps(self) -> int:
+        """Accelerate's name for ``accumulation_steps``."""
+        return self.accumulation_steps
 
     def advance(self) -> None:
         """Called on entering ``accumulate()``: decide whether this micro-batch syncs."""

@@ -108,11 +108,44 @@ def test_iterable_dataset_shards_each_global_batch():
 def test_errors_name_the_fix():
     with pytest.raises(TypeError, match="needs a torch.utils.data.DataLoader, got list"):
         shard_dataloader([1, 2], _states(2)[0])
-    custom = DataLoader(_dataset(8), batch_sampler=[[0, 1], [2, 3]])
-    with pytest.raises(ValueError, match="custom batch_sampler"):
-        shard_dataloader(custom, _states(2)[0])
+    with pytest.raises(ValueError, match="does not yield batches; give the DataLoader a batch_size"):
+        shard_dataloader(DataLoader(_dataset(8), batch_size=None), _states(2)[0])
     with pytest.raises(ValueError, match="seed=3 only applies to shuffling loaders"):
         shard_dataloader(DataLoader(_dataset(8), batch_size=2), _states(2)[0], seed=3)
+
+
+def test_custom_batch_sampler_is_sharded_batch_by_batch():
+    ds = _dataset(22)
+    batches = [list(range(i, min(i + 4, 22))) for i in range(0, 22, 4)]  # 6 batches, the last of 2
+    loaders = [shard_dataloader(DataLoader(ds, batch_sampler=batches), s) for s in _states(2)]
+    per_rank = [_ids(ld) for ld in loaders]
+    assert per_rank[0] == [batches[0], batches[2], batches[4]]
+    # The short last batch is completed from the start of the pass: same batch size everywhere.
+    assert per_rank[1] == [batches[1], batches[3], [20, 21, 0, 1]]
+    assert loaders[1].batch_sampler.remainder == 6 and len(loaders[0]) == len(loaders[1]) == 3
+    # A missing last batch on some ranks is made from the first indices too.
+    odd = [shard_dataloader(DataLoader(ds, batch_sampler=batches[:5]), s) for s in _states(2)]
+    assert [_ids(ld)[-1] for ld in odd] == [[16, 17, 18, 19], [0, 1, 2, 3]]
+    assert odd[0].batch_sampler.remainder == 4
+    uneven = [shard_dataloader(DataLoader(ds, batch_sampler=batches[:5]), s, even_batches=False) for s in _states(2)]
+    assert [len(_ids(ld)) for ld in uneven] == [3, 2] == [len(ld) for ld in uneven]
+    split = [shard_dataloader(DataLoader(ds, batch_sampler=batches[:2]), s, split_batches=True) for s in _states(2)]
+    assert [_ids(ld) for ld in split] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+def test_batch_sampler_given_as_sampler():
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    class Rows(torch.utils.data.Dataset):  # indexed with a list of indices, returns a batch
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, idx):
+            return torch.tensor(idx)
+
+    sampler = BatchSampler(SequentialSampler(range(10)), 4, False)
+    loaders = [shard_dataloader(DataLoader(Rows(), sampler=sampler, batch_size=None), s) for s in _states(2)]
+    assert [[b.tolist() for b in ld] for ld in loaders] == [[[0, 1, 2, 3], [8, 9, 0, 1]], [[4, 5, 6, 7], [2, 3, 4, 5]]]
 
 
 def _eval_uneven(state, n):
@@ -125,12 +158,12 @@ def _eval_uneven(state, n):
 
 
 def _shuffled_epochs(state):
-    # seed=None: rank 0 draws the seed and broadcasts it; torch's RNG differs per rank on purpose
+    # seed=None: the order comes from a generator seeded by rank 0 and synchronised at every
+    # pass; torch's RNG differs per rank on purpose. No set_epoch: each pass draws anew.
     torch.manual_seed(1000 + state.rank)
     loader = shard_dataloader(DataLoader(_dataset(12), batch_size=3, shuffle=True), state)
     out = []
-    for e in range(2):
-        loader.batch_sampler.set_epoch(e)
+    for _ in range(2):
         out.append(torch.cat(gather_for_metrics(state, [b for (b,) in loader], None)).tolist())
     return out
 

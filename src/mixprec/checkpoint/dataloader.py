@@ -79,6 +79,15 @@ class ResumableDataLoader(PreparedDataLoader):
             g = getattr(obj, "generator", None)
             if isinstance(g, torch.Generator):
                 found[where] = g
+        # The generator a sharded loader's sampler draws from (shard_dataloader may give a
+        # RandomSampler one of its own; see mixprec/data/sharding.py).
+        from ..data.sharding import find_generators
+
+        nested = find_generators(getattr(self.dataloader, "batch_sampler", None)) + find_generators(
+            getattr(self.dataloader, "sampler", None))
+        for i, g in enumerate(nested):
+            if all(g is not x for x in found.values()):
+                found[f"nested{i}"] = g
         return found
 
     def _rng_states(self) -> dict:
@@ -109,6 +118,9 @@ class ResumableDataLoader(PreparedDataLoader):
             "epoch_rng": self._mixprec_epoch_rng if self._mixprec_in_progress else None,
             "sampler_epoch": getattr(sampler, "epoch", None),
             "shuffle_seed": getattr(sampler, "shuffle_seed", None),
+            # Where the loader's generators are now (after drawing this pass's order): a
+            # resumed run continues from here, so the next pass draws the next order.
+            "generators_now": {k: g.get_state() for k, g in self._generators().items()},
         }
 
     def load_checkpoint_state(self, state: dict, index: int) -> None:
@@ -125,6 +137,10 @@ class ResumableDataLoader(PreparedDataLoader):
             sampler.set_epoch(state["sampler_epoch"])
         if state["shuffle_seed"] is not None and getattr(sampler, "shuffle_seed", None) is not None:
             sampler.shuffle_seed = state["shuffle_seed"]
+        generators = self._generators()
+        for key, value in (state.get("generators_now") or {}).items():
+            if key in generators:
+                generators[key].set_state(value)
         self._mixprec_skip = samples // mine
         self._mixprec_order_rng = state["epoch_rng"] if state["in_progress"] else None
         self._mixprec_in_progress = False

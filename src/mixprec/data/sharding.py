@@ -53,6 +53,12 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
     Attributes: ``total_dataset_length`` (samples in the dataset), ``total_batch_size``
     (samples in a global batch), ``batch_size`` (per rank), ``remainder`` (real samples in
     the last global batch), ``epoch``.
+
+    The epoch's order comes either from ``shuffle_seed + epoch`` (a seeded shuffle: the
+    epoch advances after every complete pass, or is chosen by ``set_epoch``) or from
+    iterating ``sampler`` itself; then, with ``sync``, the generator the sampler draws from
+    is first given rank 0's state, so every rank draws the same order and successive passes
+    draw new ones, as a single process iterating the original loader would.
     """
 
     def __init__(
@@ -67,8 +73,10 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         drop_last: bool,
         even_batches: bool,
         shuffle_seed: Optional[int],
+        sync: Optional[DistributedState] = None,
     ) -> None:
         self.sampler = sampler
+        self.sync = sync  # broadcast the sampler's generator state from rank 0 at each pass
         self.total_dataset_length = dataset_length
         self.rank = rank
         self.world_size = world_size
@@ -89,6 +97,8 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         if self.shuffle_seed is not None:
             g = torch.Generator().manual_seed(self.shuffle_seed + self.epoch)
             return torch.randperm(self.total_dataset_length, generator=g).tolist()
+        if self.sync is not None:
+            sync_generators(self.sync, self.sampler)
         return [int(i) for i in self.sampler]
 
     @property
@@ -128,6 +138,132 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
                 wrap_start = max(0, lo - n)
                 batch = batch + [order[(wrap_start + i) % n] for i in range(need)]
             yield batch
+        if self.shuffle_seed is not None:
+            # A complete pass moves to the next epoch's order (Accelerate's seedable sampler);
+            # set_epoch() still chooses one explicitly.
+            self.epoch += 1
+
+
+def find_generators(obj: Any) -> list[torch.Generator]:
+    """The torch Generators a sampler (or batch sampler) draws from: its own ``generator``
+    and those of the samplers it wraps (``sampler``, ``batch_sampler``)."""
+    found: list[torch.Generator] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if o is None or id(o) in seen:
+            continue
+        seen.add(id(o))
+        g = getattr(o, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not x for x in found):
+            found.append(g)
+        stack.extend(getattr(o, name, None) for name in ("sampler", "batch_sampler"))
+    return found
+
+
+def sync_generators(state: DistributedState, sampler: Any) -> None:
+    """Give every generator ``sampler`` draws from rank 0's state (a collective)."""
+    generators = find_generators(sampler)
+    if not generators or state.world_size == 1:
+        return
+    states = broadcast_object_list(state, [[g.get_state() for g in generators]], src=0)[0]
+    for g, st in zip(generators, states):
+        g.set_state(st)
+
+
+class ShardedBatches(torch.utils.data.Sampler):
+    """This rank's share of the batches of any batch sampler (a custom ``batch_sampler``, or
+    a ``BatchSampler`` given as ``sampler`` with ``batch_size=None``).
+
+    Without ``split_batches`` global step ``k`` is batches ``[k*W, (k+1)*W)`` and rank ``r``
+    gets batch ``k*W + r``; with it, each batch is split in ``W`` equal parts. With
+    ``even_batches`` a short last batch is completed, and missing last batches are made,
+    from the first indices of the pass, so every rank gets the same number of batches of
+    ``batch_size``; ``remainder`` is how many samples of the last global step are real.
+    The batch sampler must give the same batches on every rank: the torch Generators it
+    draws from get rank 0's state at the start of each pass (``sync``).
+    """
+
+    def __init__(self, batch_sampler: Any, *, rank: int, world_size: int, split_batches: bool,
+                 even_batches: bool, sync: Optional[DistributedState]) -> None:
+        self.batch_sampler = batch_sampler
+        self.rank = rank
+        self.world_size = world_size
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.sync = sync
+        self.batch_size = getattr(batch_sampler, "batch_size", None)
+        self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        self.remainder: Optional[int] = None
+        if split_batches and self.batch_size is not None and self.batch_size % world_size:
+            raise ValueError(
+                f"split_batches=True splits each batch of batch_size={self.batch_size} over {world_size} "
+                f"processes, but {self.batch_size} is not divisible by {world_size}; use a batch size that "
+                f"is a multiple of {world_size} or split_batches=False"
+            )
+
+    def set_epoch(self, epoch: int) -> None:
+        for obj in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        n = len(self.batch_sampler)
+        if self.split_batches:
+            return n
+        if self.drop_last:
+            return n // self.world_size
+        if self.even_batches:
+            return math.ceil(n / self.world_size)
+        return n // self.world_size + (1 if self.rank < n % self.world_size else 0)
+
+    def _global_steps(self) -> list[list[list[int]]]:
+        """The pass as global steps, each a list of ``world_size`` index lists."""
+        if self.sync is not None:
+            sync_generators(self.sync, self.batch_sampler)
+        batches = [[int(i) for i in b] for b in self.batch_sampler]
+        size = self.batch_size or max((len(b) for b in batches), default=0)
+        flat = [i for b in batches for i in b]
+
+        def filler():
+            while True:
+                yield from flat
+
+        wrap = filler()
+        W = self.world_size
+        steps: list[list[list[int]]] = []
+        if self.split_batches:
+            for b in batches:
+                real = len(b)
+                if len(b) < size and self.even_batches and flat:
+                    b = b + [next(wrap) for _ in range(size - len(b))]
+                if len(b) % W:
+                    raise ValueError(
+                        f"split_batches=True cannot split a batch of {len(b)} samples over {W} processes; "
+                        f"give batches whose size divides by {W}"
+                    )
+                part = len(b) // W
+                steps.append([b[r * part:(r + 1) * part] for r in range(W)])
+                self.remainder = real
+            return steps
+        for k in range(0, len(batches), W):
+            group = batches[k:k + W]
+            if self.drop_last and (len(group) < W or len(group[-1]) < size):
+                break  # a drop_last batch sampler: no incomplete global step
+            real = sum(len(b) for b in group)
+            if self.even_batches and flat:
+                group = [b + [next(wrap) for _ in range(size - len(b))] if len(b) < size else b for b in group]
+                while len(group) < W:
+                    group.append([next(wrap) for _ in range(size)])
+            steps.append(group)
+            self.remainder = real
+        return steps
+
+    def __iter__(self):
+        for step in self._global_steps():
+            if self.rank < len(step) and step[self.rank]:
+                yield step[self.rank]
 
 
 class IterableDatasetShard(IterableDataset):
@@ -191,18 +327,26 @@ def shard_dataloader(
     split_batches: bool = False,
     even_batches: bool = True,
     seed: Optional[int] = None,
+    use_seedable_sampler: bool = False,
 ) -> DataLoader:
     """A new DataLoader over the same dataset that yields this rank's share of the batches.
 
-    Keeps ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last`` and the other
-    settings. For a map-style dataset the returned loader's ``batch_sampler`` is a
-    :class:`ShardedBatchSampler` (``set_epoch``, ``remainder``, ``total_dataset_length``);
-    for an iterable dataset its ``dataset`` is an :class:`IterableDatasetShard`.
+    Keeps ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last``, ``generator`` and
+    the other settings. For a map-style dataset with a batch size the returned loader's
+    ``batch_sampler`` is a :class:`ShardedBatchSampler` (``set_epoch``, ``remainder``,
+    ``total_dataset_length``); a custom ``batch_sampler`` (or a ``BatchSampler`` passed as
+    ``sampler`` with ``batch_size=None``) is wrapped in a :class:`ShardedBatches`; for an
+    iterable dataset the loader's ``dataset`` is an :class:`IterableDatasetShard`.
 
-    When the original loader shuffles (a ``RandomSampler``), every rank draws the same
-    permutation from ``seed + epoch``; with ``seed=None`` rank 0 draws a seed from torch's
-    RNG and broadcasts it (a collective: call this on every rank). Other samplers must give
-    the same order on every rank.
+    Shuffling (a collective: call this, and iterate, on every rank):
+
+    * by default every pass iterates the loader's own sampler, after giving the generator it
+      draws from rank 0's state: all ranks see the same order, each pass a new one, and the
+      same order a single process iterating the original loader sees (a ``RandomSampler``
+      without a generator gets one, seeded from rank 0's torch RNG);
+    * with ``seed`` (or ``use_seedable_sampler=True``: ``seed`` is then rank 0's
+      ``torch.initial_seed()``), a ``RandomSampler``'s order is ``randperm`` seeded with
+      ``seed + epoch``; the epoch advances after each complete pass, ``set_epoch`` sets it.
 
     Example::
 
@@ -214,12 +358,42 @@ def shard_dataloader(
             f"wrap your dataset: DataLoader(dataset, batch_size=...)"
         )
     world, rank = state.world_size, state.rank
+    sync = state if world > 1 else None
+    kept = {k: getattr(dataloader, k) for k in _KEPT if hasattr(dataloader, k)}
+    if dataloader.num_workers > 0:
+        kept["prefetch_factor"] = dataloader.prefetch_factor
+    else:
+        kept.pop("persistent_workers", None)
+
     batch_size = dataloader.batch_size
+    batch_sampler = dataloader.batch_sampler
+    sampler = dataloader.sampler
+    drop_last = dataloader.drop_last
+    if batch_size is None and type(batch_sampler) is BatchSampler:
+        # DataLoader(batch_sampler=BatchSampler(sampler, n, drop_last)): the usual layout.
+        sampler, batch_size, drop_last = batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
+    elif batch_size is None and not isinstance(dataloader.dataset, IterableDataset):
+        if seed is not None:
+            raise ValueError(
+                f"seed={seed!r} only applies to shuffling loaders with a batch size, but this loader batches "
+                f"with {type(batch_sampler or sampler).__name__}; drop seed= (its generators are synchronised)"
+            )
+        if batch_sampler is not None:
+            shard = ShardedBatches(batch_sampler, rank=rank, world_size=world, split_batches=split_batches,
+                                   even_batches=even_batches, sync=sync)
+            return DataLoader(dataloader.dataset, batch_sampler=shard, **kept)
+        if not _iterates_lists(sampler):
+            raise ValueError(
+                f"shard_dataloader() got batch_size=None and a {type(sampler).__name__} sampler that does not "
+                f"yield batches; give the DataLoader a batch_size= (or a batch_sampler=)"
+            )
+        shard = ShardedBatches(sampler, rank=rank, world_size=world, split_batches=split_batches,
+                               even_batches=even_batches, sync=sync)
+        return DataLoader(dataloader.dataset, sampler=shard, batch_size=None, **kept)
     if batch_size is None:
         raise ValueError(
-            f"shard_dataloader() got a DataLoader with a custom batch_sampler "
-            f"({type(dataloader.batch_sampler).__name__}) and batch_size=None; sharding needs a fixed "
-            f"batch size: build the DataLoader with batch_size= (and sampler= for a custom order)"
+            f"shard_dataloader() got an iterable dataset with batch_size=None; sharding an iterable "
+            f"dataset needs a fixed batch size: build the DataLoader with batch_size="
         )
     if split_batches:
         if batch_size % world:
@@ -231,12 +405,6 @@ def shard_dataloader(
         per_rank, total = batch_size // world, batch_size
     else:
         per_rank, total = batch_size, batch_size * world
-    kept = {k: getattr(dataloader, k) for k in _KEPT if hasattr(dataloader, k)}
-    if dataloader.num_workers > 0:
-        kept["prefetch_factor"] = dataloader.prefetch_factor
-    else:
-        kept.pop("persistent_workers", None)
-    drop_last = dataloader.drop_last
 
     if isinstance(dataloader.dataset, IterableDataset):
         shard = IterableDatasetShard(
@@ -244,30 +412,33 @@ def shard_dataloader(
         )
         return DataLoader(shard, batch_size=per_rank, drop_last=drop_last, **kept)
 
-    sampler = dataloader.sampler
     shuffle_seed = None
-    if isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler._num_samples is not None:
-            raise ValueError(
-                f"shard_dataloader() cannot shard a RandomSampler with replacement={sampler.replacement} / "
-                f"num_samples={sampler._num_samples}; use shuffle=True without them"
-            )
-        if seed is None:
-            seed = int(torch.randint(0, 2**31 - 1, ()).item())
-            seed = broadcast_object_list(state, [seed], src=0)[0]
-        shuffle_seed = seed
-    elif seed is not None:
+    plain_shuffle = (type(sampler) is RandomSampler and not sampler.replacement
+                     and sampler.num_samples == len(dataloader.dataset))
+    if seed is not None and not isinstance(sampler, RandomSampler):
         raise ValueError(
             f"seed={seed!r} only applies to shuffling loaders (RandomSampler), but this loader uses "
             f"{type(sampler).__name__}; drop seed= or build the DataLoader with shuffle=True"
         )
-    if not isinstance(dataloader.batch_sampler, BatchSampler) or type(dataloader.batch_sampler) is not BatchSampler:
+    if seed is not None and not plain_shuffle:
         raise ValueError(
-            f"shard_dataloader() cannot shard the custom batch sampler {type(dataloader.batch_sampler).__name__}; "
-            f"build the DataLoader with batch_size= (and sampler= for a custom order)"
+            f"a seeded shuffle replaces the loader's RandomSampler by randperm(seed + epoch), but this "
+            f"{type(sampler).__name__} has replacement={sampler.replacement} / num_samples={sampler.num_samples}; "
+            f"use shuffle=True without them, or no seed (the sampler's generator is then synchronised)"
         )
+    if plain_shuffle and (seed is not None or use_seedable_sampler):
+        if seed is None:
+            seed = broadcast_object_list(state, [torch.initial_seed()], src=0)[0]
+        shuffle_seed = seed
+    elif type(sampler) is RandomSampler and sampler.generator is None:
+        # Its order would come from each rank's own torch RNG: draw from a generator instead,
+        # seeded from rank 0 and synchronised at every pass (the user's sampler is untouched).
+        g = torch.Generator()
+        g.manual_seed(broadcast_object_list(state, [int(torch.randint(0, 2**62, ()).item())], src=0)[0])
+        sampler = RandomSampler(sampler.data_source, replacement=sampler.replacement,
+                                num_samples=sampler._num_samples, generator=g)
     length = len(sampler) if shuffle_seed is None else len(dataloader.dataset)
-    batch_sampler = ShardedBatchSampler(
+    sharded = ShardedBatchSampler(
         sampler,
         dataset_length=length,
         rank=rank,
@@ -277,5 +448,11 @@ def shard_dataloader(
         drop_last=drop_last,
         even_batches=even_batches,
         shuffle_seed=shuffle_seed,
+        sync=sync if shuffle_seed is None else None,
     )
-    return DataLoader(dataloader.dataset, batch_sampler=batch_sampler, **kept)
+    return DataLoader(dataloader.dataset, batch_sampler=sharded, **kept)
+
+
+def _iterates_lists(sampler: Any) -> bool:
+    """Whether ``sampler`` yields batches (lists of indices), e.g. a BatchSampler."""
+    return isinstance(sampler, BatchSampler) or hasattr(sampler, "batch_size")

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from ..utils import tree_map_tensors
 from .state import DistributedState
 
-_REDUCTIONS = ("sum", "mean")
+_REDUCTIONS = ("sum", "mean", "max", "min")
+_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def _single(state: DistributedState) -> bool:
@@ -102,7 +103,7 @@ def gather_object(state: DistributedState, obj: Any) -> list:
 def reduce(state: DistributedState, tree: Any, reduction: str = "sum") -> Any:
     """All-reduce every tensor in ``tree`` across processes; returns new tensors (inputs are
     left untouched). ``reduction="mean"`` divides the sum by the world size (integer tensors
-    then become floating point).
+    then become floating point); ``"max"``/``"min"`` take the elementwise maximum/minimum.
 
     Example::
 
@@ -116,7 +117,7 @@ def reduce(state: DistributedState, tree: Any, reduction: str = "sum") -> Any:
         out = t.clone()
         if not _single(state):
             out = out.contiguous()
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=state.group)
+            dist.all_reduce(out, op=_OPS[reduction], group=state.group)
         if reduction == "mean":
             out = out / state.world_size
         return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -12,20 +12,33 @@ if TYPE_CHECKING:
     from ..gradient_state import GradientState
 
 
-class PreparedDataLoader:
+class PreparedDataLoader(torch.utils.data.DataLoader):
     """Iterates the wrapped ``DataLoader``, moves each batch to the device, and marks the
-    last batch of an epoch so ``accumulate()`` closes the window there."""
+    last batch of an epoch so ``accumulate()`` closes the window there.
+
+    It is a ``torch.utils.data.DataLoader`` (``isinstance`` holds, as for Accelerate's
+    prepared loaders) that delegates every DataLoader attribute (``dataset``,
+    ``batch_size``, ``batch_sampler``, ...) to the wrapped loader; ``DataLoader.__init__`` is
+    not run for it, so it builds no iterator state of its own. ``original`` is the loader
+    given to ``prepare()`` (before sharding). ``device=None`` leaves batches where they are
+    (``device_placement=False``).
+    """
 
     def __init__(
         self,
         dataloader: torch.utils.data.DataLoader,
-        device: torch.device,
+        device: Optional[torch.device],
         gradient_state: "GradientState",
+        *,
+        original: Optional[torch.utils.data.DataLoader] = None,
+        non_blocking: bool = False,
     ) -> None:
         self.dataloader = dataloader
         self.device = device
+        self.original = original if original is not None else dataloader
         self._gradient_state = gradient_state
-        self._non_blocking = device.type == "cuda" and bool(getattr(dataloader, "pin_memory", False))
+        self._non_blocking = device is not None and device.type == "cuda" and (
+            non_blocking or bool(getattr(dataloader, "pin_memory", False)))
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -34,8 +47,9 @@ class PreparedDataLoader:
         state = self._gradient_state
         state.end_of_dataloader = False
         state.active_dataloaders += 1
+        state.dataloader_stack.append(self)
         try:
-            it = iter(self.dataloader)
+            it = self._batches()
             try:
                 current = next(it)
             except StopIteration:
@@ -46,20 +60,29 @@ class PreparedDataLoader:
                 except StopIteration:
                     state.end_of_dataloader = True
                     state.remainder = self._remainder()
-                    yield send_to_device(current, self.device, self._non_blocking)
+                    yield self._place(current)
                     return
-                yield send_to_device(current, self.device, self._non_blocking)
+                yield self._place(current)
                 current = upcoming
         finally:
             # Outside the loop nothing is "the last batch" any more (Accelerate's semantics):
             # gather_for_metrics after the loop keeps everything.
             state.active_dataloaders -= 1
+            if self in state.dataloader_stack:
+                state.dataloader_stack.remove(self)
             state.end_of_dataloader = False
+
+    def _batches(self):
+        """The wrapped loader's batches of one pass (subclasses skip some)."""
+        return iter(self.dataloader)
+
+    def _place(self, batch):
+        return batch if self.device is None else send_to_device(batch, self.device, self._non_blocking)
 
     def _remainder(self):
         """Real samples in the last global batch when the loader was sharded (else None)."""
-        for obj in (getattr(self.dataloader, "batch_sampler", None), getattr(self.dataloader, "dataset", None)):
-            value = getattr(obj, "remainder", None)
+        for name in ("batch_sampler", "sampler", "dataset"):
+            value = getattr(getattr(self.dataloader, name, None), "remainder", None)
             if value is not None:
                 return value
         return None
@@ -71,6 +94,34 @@ class PreparedDataLoader:
                 obj.set_epoch(epoch)
 
     def __getattr__(self, name):
-        if name == "dataloader":
+        if name in ("dataloader", "original", "device", "_gradient_state", "_non_blocking"):
             raise AttributeError(name)
         return getattr(self.dataloader, name)
+
+    def __setattr__(self, name, value):
+        # DataLoader.__setattr__ guards batch_size & co. after its own __init__, which never
+        # runs here; plain attributes are what this wrapper needs.
+        object.__setattr__(self, name, value)
+
+
+class SkippingDataLoader(PreparedDataLoader):
+    """``Accelerator.skip_first_batches``: each pass over ``loader`` without its first
+    ``num_batches`` batches (they are loaded and dropped)."""
+
+    def __init__(self, loader: PreparedDataLoader, num_batches: int) -> None:
+        super().__init__(loader.dataloader, loader.device, loader._gradient_state,
+                         original=loader.original, non_blocking=loader._non_blocking)
+        self.skip_batches = num_batches
+
+    def __len__(self) -> int:
+        return max(0, len(self.dataloader) - self.skip_batches)
+
+    def _batches(self):
+        it = iter(self.dataloader)
+        for _ in range(self.skip_batches):
+            if next(it, _DONE) is _DONE:
+                break
+        return it
+
+
+_DONE = object()

@@ -14,6 +14,10 @@ class PreparedScheduler:
 
     ``step()`` does nothing while accumulating or when the last step of any of the
     prepared optimizers was skipped for overflow, so the schedule follows real updates.
+    A real step advances the wrapped scheduler ``steps_per_optimizer_step`` times
+    (Accelerate's rule: ``num_processes`` unless batches are split, see
+    ``Accelerator(scheduler_step_rule=)``); a scheduler with ``total_steps`` (OneCycleLR)
+    is not stepped past it.
     """
 
     def __init__(
@@ -22,7 +26,9 @@ class PreparedScheduler:
         optimizers: list["PreparedOptimizer"],
         gradient_state: "GradientState",
         step_with_optimizer: bool = True,
+        steps_per_optimizer_step: int = 1,
     ) -> None:
+        self.steps_per_optimizer_step = steps_per_optimizer_step
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.step_with_optimizer = step_with_optimizer
@@ -35,7 +41,14 @@ class PreparedScheduler:
                 return False
             if any(opt.step_was_skipped for opt in self.optimizers):
                 return False
-        self.scheduler.step(*args, **kwargs)
+        else:
+            self.scheduler.step(*args, **kwargs)
+            return True
+        for _ in range(self.steps_per_optimizer_step):
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
         return True
 
     def get_last_lr(self):

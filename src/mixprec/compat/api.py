@@ -1,0 +1,273 @@
+"""Accelerate's Accelerator methods that sit beside mixprec's own: process decorators,
+trackers, triggers, ``save``, ``skip_first_batches``, checkpoint hooks, ``free_memory``.
+
+:class:`mixprec.Accelerator` inherits them from :class:`AccelerateApi`; they only use the
+Accelerator's public state (``state``, ``gradient_state``, the prepared objects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from .. import tracking
+from ..distributed import collectives
+from .options import DistributedType
+
+if TYPE_CHECKING:
+    from .state import AcceleratorState
+
+
+class RemovableHandle:
+    """Returned by the ``register_*_hook`` methods; ``remove()`` unregisters the hook."""
+
+    def __init__(self, hooks: "OrderedDict[int, Callable]", key: int) -> None:
+        self._hooks = hooks
+        self.id = key
+
+    def remove(self) -> None:
+        self._hooks.pop(self.id, None)
+
+
+def _only_when(predicate: Callable[[], bool], function: Optional[Callable], name: str):
+    if function is None:  # used as @accelerator.on_main_process() with parentheses
+        return lambda f: _only_when(predicate, f, name)
+    if not callable(function):
+        raise TypeError(f"{name}() decorates a function, got {function!r}")
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if predicate():
+            return function(*args, **kwargs)
+        return None
+
+    return wrapper
+
+
+class AccelerateApi:
+    """Mixin of :class:`mixprec.Accelerator` (see the module docstring)."""
+
+    state: "AcceleratorState"
+
+    # ------------------------------------------------------------------ processes
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's name for the setup (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``FSDP``)."""
+        return self.state.distributed_type
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.world_size > 1
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.rank == self.state.world_size - 1
+
+    def on_main_process(self, function: Optional[Callable] = None):
+        """Decorator: run ``function`` on the main process only (None elsewhere)."""
+        return _only_when(lambda: self.state.rank == 0, function, "on_main_process")
+
+    def on_local_main_process(self, function: Optional[Callable] = None):
+        """Decorator: run ``function`` on each node's main process only."""
+        return _only_when(lambda: self.state.local_rank == 0, function, "on_local_main_process")
+
+    def on_last_process(self, function: Optional[Callable] = None):
+        """Decorator: run ``function`` on the last process only."""
+        return _only_when(lambda: self.is_last_process, function, "on_last_process")
+
+    def on_process(self, function: Optional[Callable] = None, process_index: Optional[int] = None):
+        """Decorator: run ``function`` on process ``process_index`` only."""
+        self._check_index(process_index, self.state.world_size, "process_index")
+        return _only_when(lambda: self.state.rank == process_index, function, "on_process")
+
+    def on_local_process(self, function: Optional[Callable] = None, local_process_index: Optional[int] = None):
+        """Decorator: run ``function`` on local process ``local_process_index`` of each node."""
+        self._check_index(local_process_index, self.state.local_world_size, "local_process_index")
+        return _only_when(lambda: self.state.local_rank == local_process_index, function, "on_local_process")
+
+    @staticmethod
+    def _check_index(index: Any, size: int, name: str) -> None:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < size:
+            raise ValueError(f"{name}={index!r} must be an int in 0..{size - 1} (there are {size} processes)")
+
+    # ------------------------------------------------------------------ triggers
+    def set_trigger(self) -> None:
+        """Raise this process's flag; the next :meth:`check_trigger` on every process sees it
+        (e.g. stop training when one rank finds a nan)."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """Collective: True on every process if any process called :meth:`set_trigger` since
+        the last check (the flags are then reset)."""
+        flag = torch.tensor([1.0 if getattr(self, "_trigger", False) else 0.0], device=self.state.device)
+        total = collectives.reduce(self.state, flag, "sum")
+        if total.item() >= 1:
+            self._trigger = False
+            return True
+        return False
+
+    # ------------------------------------------------------------------ trackers
+    def init_trackers(self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None) -> None:
+        """Start the trackers ``log_with`` named (main process only), storing ``config`` as the
+        run's hyper-parameters. ``init_kwargs={"wandb": {...}}`` goes to each tracker's init."""
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"init_trackers(config={config!r}) must be a dict of hyper-parameters")
+        if self.state.rank != 0:
+            return
+        self._finish_trackers()
+        self.trackers = tracking.start_trackers(
+            self._log_with, project_name, self.project_configuration.project_dir, config, init_kwargs
+        )
+
+    def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
+        """Log ``values`` (name -> number/string) at ``step`` to every tracker (main process
+        only). ``log_kwargs={"tensorboard": {...}}`` goes to that tracker's log call. Before
+        :meth:`init_trackers` it does nothing when ``log_with`` was not given (Accelerate's
+        behaviour) and raises when it was."""
+        if not isinstance(values, dict):
+            raise TypeError(f"log(values={values!r}) must be a dict of name -> value")
+        if self.state.rank != 0:
+            return
+        if not self.trackers and self._log_with_given:
+            # Without log_with, log() before init_trackers() is a no-op, as in Accelerate.
+            raise RuntimeError(f"log() before init_trackers(): log_with={self._log_with_given!r} asks for "
+                               f"trackers; call accelerator.init_trackers(project_name) first")
+        log_kwargs = log_kwargs or {}
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
+
+    def get_tracker(self, name: str, unwrap: bool = False):
+        """The tracker called ``name`` (its library object with ``unwrap=True``). On other
+        processes than the main one, and when there is none, raises ValueError."""
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        where = "" if self.state.rank == 0 else f" (process {self.state.rank}: trackers live on the main process)"
+        raise ValueError(f"no tracker named {name!r}{where}; started: {[t.name for t in self.trackers]}")
+
+    def _finish_trackers(self) -> None:
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.finish()
+
+    # ------------------------------------------------------------------ saving
+    def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
+        """Write ``obj`` to ``f`` on the main process (``torch.save``; with
+        ``safe_serialization=True`` a dict of tensors as safetensors)."""
+        if self.state.rank != 0:
+            return
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+                raise TypeError("save(safe_serialization=True) writes a dict of name -> tensor; use "
+                                "safe_serialization=False (torch.save) for other objects")
+            save_file({k: v.detach().contiguous().cpu() for k, v in obj.items()}, os.fspath(f),
+                      metadata={"format": "pt"})
+        else:
+            torch.save(obj, f)
+
+    def register_save_state_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs on every process at each
+        :meth:`save_state`, after mixprec wrote the checkpoint and before it is reported
+        complete (the directory exists, so the hook can add its own files).
+        ``weights`` are the models' full state dicts. mixprec always saves every prepared
+        model: a hook that removes items from ``models``/``weights`` gets a ValueError."""
+        return self._add_hook(self._save_hooks, hook, "register_save_state_pre_hook")
+
+    def register_load_state_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs on every process at each :meth:`load_state`, before
+        the checkpoint is read (mixprec still loads every prepared model afterwards)."""
+        return self._add_hook(self._load_hooks, hook, "register_load_state_pre_hook")
+
+    @staticmethod
+    def _add_hook(hooks: "OrderedDict[int, Callable]", hook: Callable, name: str) -> RemovableHandle:
+        if not callable(hook):
+            raise TypeError(f"{name}() needs a callable, got {hook!r}")
+        key = max(hooks, default=-1) + 1
+        hooks[key] = hook
+        return RemovableHandle(hooks, key)
+
+    def _run_save_hooks(self, output_dir: str) -> None:
+        if not self._save_hooks:
+            return
+        models = list(self._models)
+        weights = [self.get_state_dict(m) for m in models]
+        for hook in list(self._save_hooks.values()):
+            hook(models, weights, output_dir)
+        if len(models) != len(self._models) or len(weights) != len(self._models):
+            raise ValueError(
+                "a save_state pre-hook removed entries from models/weights to skip saving them; mixprec "
+                "always saves every prepared model (the checkpoint is complete either way): leave the lists as they are"
+            )
+
+    def _run_load_hooks(self, input_dir: str) -> None:
+        models = list(self._models)
+        for hook in list(self._load_hooks.values()):
+            hook(models, input_dir)
+        if len(models) != len(self._models):
+            raise ValueError(
+                "a load_state pre-hook removed entries from models to skip loading them; mixprec always "
+                "loads every prepared model: leave the list as it is"
+            )
+
+    # ------------------------------------------------------------------ data
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """A dataloader that skips the first ``num_batches`` batches of each pass over the
+        prepared ``dataloader`` (e.g. to resume mid-epoch); the skipped batches are loaded and
+        dropped. Use the original loader again for the following epochs."""
+        from ..wrappers.dataloader import PreparedDataLoader, SkippingDataLoader
+
+        if not isinstance(dataloader, PreparedDataLoader):
+            raise TypeError(
+                f"skip_first_batches() needs a dataloader returned by accelerator.prepare(), got "
+                f"{type(dataloader).__name__}; prepare it first"
+            )
+        if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
+            raise ValueError(f"skip_first_batches(num_batches={num_batches!r}) needs an int >= 0")
+        return SkippingDataLoader(dataloader, num_batches)
+
+    # ------------------------------------------------------------------ sync
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module):
+        """Make the backward inside synchronise gradients, after forwards run under
+        :meth:`no_sync`. In mixprec a backward's synchronisation is decided when it runs (not
+        at forward time as in torch DDP), so any backward outside ``no_sync`` already syncs:
+        this checks ``model`` was prepared and that no ``no_sync`` of it is open."""
+        if model not in self._models:
+            raise ValueError(f"trigger_sync_in_backward() got a model this accelerator did not prepare: "
+                             f"{type(model).__name__}")
+        if self._no_sync_depth.get(id(model), 0):
+            raise RuntimeError(
+                "trigger_sync_in_backward() inside accelerator.no_sync(model): mixprec decides synchronisation "
+                "when backward runs, so leave the no_sync block and call backward there (forwards run "
+                "under no_sync are fine)"
+            )
+        yield
+
+    # ------------------------------------------------------------------ memory
+    def free_memory(self, *objects: Any) -> list:
+        """Forget every prepared model, optimizer, scheduler and dataloader (the engine's fp32
+        masters, gradient buffers and optimizer state go with them) and run the garbage
+        collector; returns ``[None] * len(objects)`` for ``a, b = accelerator.free_memory(a, b)``.
+        Prepare new objects afterwards as usual."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self._renew_engine()
+        objects = [None] * len(objects)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return objects
+
+    def clear(self, *objects: Any) -> list:
+        """Alias of :meth:`free_memory`."""
+        return self.free_memory(*objects)

@@ -1,7 +1,8 @@
 """A training step reads no device value on the host ([Note: a step without host reads] in
 src/mixprec/engines/base.py), on every backend, in bf16 and fp16, and crosses into C++ a
 bounded number of times. Counted with src/mixprec/diagnostics/syncs.py; the skip and
-overflow outcomes are still right (checked by reading the lazy results afterwards)."""
+overflow outcomes are still right (checked by reading the lazy results afterwards), and a
+prepared warmup scheduler holds on the skipped step."""
 
 import pytest
 
@@ -28,9 +29,11 @@ def _count(state, backend, precisions):
         acc = Accelerator(mixed_precision=precision, backend=backend, cpu=True, log_policy=False,
                           engine_options=options)
         model = make_transformer(seed=0)
-        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+        model, opt, sched = acc.prepare(model, opt, warmup)
         batches = transformer_batches(6, seed=10 + state.rank)
-        results = []
+        results, lrs = [], []
 
         def step(x, y, poison=False):
             loss = loss_fn(model(x), y)
@@ -39,7 +42,9 @@ def _count(state, backend, precisions):
             acc.backward(loss)
             acc.clip_grad_norm_(model.parameters(), 1.0)
             results.append(opt.step())
+            sched.step()  # holds the schedule on a skipped step ([Note: schedules and lazy results])
             opt.zero_grad()
+            lrs.append(sched.get_last_lr()[0])
 
         for x, y in batches[:2]:  # the first step creates optimizer state
             step(x, y)
@@ -52,6 +57,7 @@ def _count(state, backend, precisions):
             "reads": dict(reads.by_op), "crossings": calls.count / 4,
             "outcomes": [(r.stepped, r.reason) for r in results],
             "skipped": acc.skipped_steps,
+            "lr_held": lrs[-1] == lrs[-2] and lrs[-2] > lrs[-3],
         }
     return out
 
@@ -68,3 +74,4 @@ def test_no_host_read_per_step(backend):
             skip = "nonfinite" if precision == "bf16" else "overflow"
             assert got["outcomes"] == [(True, "ok")] * 5 + [(False, skip)], (rank, precision)
             assert got["skipped"] == 1
+            assert got["lr_held"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,13 +34,37 @@ class PreparedScheduler:
         self.optimizers = optimizers
         self.step_with_optimizer = step_with_optimizer
         self._gradient_state = gradient_state
+        self._unseen: deque = deque()  # results advanced over before they were known
+        self._owed = 0  # skipped steps found after the schedule advanced over them
+
+    def _skipped_now(self) -> bool:
+        """Whether to hold the schedule at this step, without waiting for the device.
+
+        [Note: schedules and lazy results]
+        Step results are decided on the device ([Note: lazy step results] in step.py). When
+        they are known on the host at once (CPU), a skipped step holds the schedule, exactly.
+        On an accelerator the schedule advances as if the step went through, and a step
+        found skipped later (its result has arrived by a later scheduler.step()) holds the
+        schedule once then: the learning rate is one schedule step ahead for the steps in
+        between, only around a skipped step, and no step waits for the device."""
+        results = [opt.last_step for opt in self.optimizers]
+        if all(r is None or r.immediate() for r in results):
+            return any(r is not None and not r.stepped for r in results)
+        self._unseen.append(results)
+        while self._unseen and all(r is None or r.ready() for r in self._unseen[0]):
+            if any(r is not None and not r.stepped for r in self._unseen.popleft()):
+                self._owed += 1
+        if self._owed:
+            self._owed -= 1
+            return True
+        return False
 
     def step(self, *args, **kwargs) -> bool:
         """Advance the schedule; returns whether it advanced."""
         if self.step_with_optimizer:
             if not self._gradient_state.sync_gradients:
                 return False
-            if any(opt.step_was_skipped for opt in self.optimizers):
+            if self._skipped_now():
                 return False
         else:
             self.scheduler.step(*args, **kwargs)

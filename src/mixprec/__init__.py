@@ -16,6 +16,7 @@ from .config import ConfigError, MixprecConfig
 from .diagnostics import doctor
 from .engines.units import set_leaf_modules
 from .errors import (
+    CollectiveDesyncError,
     MixprecDtypeError,
     MixprecError,
     NonFiniteGradientsError,
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
     "build_info",
+    "CollectiveDesyncError",
     "ConfigError",
     "doctor",
     "MixprecConfig",

@@ -18,6 +18,7 @@ from torch import nn
 from .data.sharding import shard_dataloader
 from .diagnostics.overflow import OverflowWatch, check_overflow_budget
 from .distributed import collectives
+from .distributed import watchdog as desync
 from .distributed.state import (
     DistributedState,
     destroy_distributed,
@@ -228,6 +229,8 @@ class Accelerator:
         self.project_configuration = resolve_project_configuration(project_dir, project_config)
         self._checkpoint_objects: list[Any] = []  # registered with register_for_checkpointing
         self._call_check = CallCheck(self.project_configuration.collective_timeout_s)
+        # Collective desync detection ([Note: desync detection] in distributed/watchdog.py).
+        self._watchdog = desync.Watchdog.create(self.state, cfg.collective_timeout)
 
     # ------------------------------------------------------------------ info
     @property
@@ -369,6 +372,7 @@ class Accelerator:
             restore_class(model)
         return model
 
+    @desync.tracked("get_state_dict", desync.plain_signature)
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """Full-precision state dict: parameters from the fp32 masters where there are."""
         return self.engine.full_state_dict(model)
@@ -389,6 +393,7 @@ class Accelerator:
         steps = self.gradient_state.accumulation_steps
         return loss / steps if steps > 1 else loss
 
+    @desync.tracked("backward")
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` with accumulation division (once) and loss scaling."""
         self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
@@ -403,6 +408,7 @@ class Accelerator:
         for opt in targets:
             self.engine.unscale_(opt._state)
 
+    @desync.tracked("clip_grad_norm_")
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients (unscaled first) to ``max_norm``; returns the total pre-clip norm.
         A nan or negative ``max_norm`` raises ValueError before any gradient changes
@@ -411,6 +417,7 @@ class Accelerator:
             parameters = [parameters]
         return self.engine.clip_grad_norm_(list(parameters), max_norm, norm_type)
 
+    @desync.tracked("clip_grad_value_")
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         """Clamp each gradient element (unscaled first) to ``[-clip_value, clip_value]``.
         A nan or negative ``clip_value`` raises ValueError before any gradient changes."""
@@ -463,19 +470,21 @@ class Accelerator:
     def main_process_first(self):
         """Run the block on the main process first, then on the others (e.g. a download)."""
         if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
+            _first_barrier(self.state)
+        with desync.long_body() if self.is_main_process else contextlib.nullcontext():
+            yield
         if self.is_main_process:
-            self.wait_for_everyone()
+            _first_barrier(self.state)
 
     @contextlib.contextmanager
     def local_main_process_first(self):
         """Like :meth:`main_process_first`, per node."""
         if not self.is_local_main_process:
-            self.wait_for_everyone()
-        yield
+            _first_barrier(self.state)
+        with desync.long_body() if self.is_local_main_process else contextlib.nullcontext():
+            yield
         if self.is_local_main_process:
-            self.wait_for_everyone()
+            _first_barrier(self.state)
 
     def gather(self, tensor):
         """All-gather tensors (nested containers too), concatenated on dim 0."""
@@ -511,6 +520,8 @@ class Accelerator:
         interpreter exit, where Gloo aborts ("terminate called without an active exception").
         """
         self._ended = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self.engine.release()
         gc.collect()
         destroy_distributed(self.state)
@@ -527,6 +538,7 @@ class Accelerator:
             )
         self._checkpoint_objects.extend(objects)
 
+    @desync.tracked("save_state")
     def save_state(self, output_dir: Optional[str] = None) -> str:
         """Save models, optimizers, scaler, schedulers, RNG, dataloader positions and registered
         objects to ``output_dir`` (or the next ``checkpoint_<k>`` with automatic naming).
@@ -560,6 +572,7 @@ class Accelerator:
             self.wait_for_everyone()
         return str(target)
 
+    @desync.tracked("load_state")
     def load_state(self, input_dir: Optional[str] = None) -> str:
         """Restore what :meth:`save_state` wrote, into the prepared objects, whatever backend
         or world size saved it. Without ``input_dir`` (automatic naming) the newest complete
@@ -590,6 +603,7 @@ class Accelerator:
             config.iteration = number + 1
         return str(source)
 
+    @desync.tracked("save_model")
     def save_model(self, model: nn.Module, save_directory: str, dtype: Union[str, torch.dtype, None] = None) -> str:
         """Write ``model``'s full weights (fp32 masters, cast to ``dtype`` if given) to
         ``save_directory/model.safetensors``. Call it on every process; the main process writes.
@@ -625,6 +639,9 @@ class Accelerator:
 # for every Accelerator still alive: release the engine, then destroy the default group if
 # an Accelerator created it (a group made by the caller is left to the caller).
 _LIVE: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
+# main_process_first's barrier, checked under its own name: the main process may be inside
+# the block far longer than collective_timeout, which its peers' check allows.
+_first_barrier = desync.tracked("main_process_first", desync.plain_signature)(collectives.barrier)
 _CREATED_GROUPS: set[str] = set()  # names of the groups Accelerators initialised
 
 

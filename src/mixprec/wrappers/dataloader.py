@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..distributed import watchdog
 from ..utils import send_to_device
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ class PreparedDataLoader:
         state = self._gradient_state
         state.end_of_dataloader = False
         state.active_dataloaders += 1
+        wd = watchdog._ACTIVE[0]  # records how far this pass got ([Note: desync detection])
+        if wd is not None:
+            wd.loader_start()
         try:
             it = iter(self.dataloader)
             try:
@@ -46,8 +50,14 @@ class PreparedDataLoader:
                 except StopIteration:
                     state.end_of_dataloader = True
                     state.remainder = self._remainder()
+                    if wd is not None:
+                        wd.batches += 1
                     yield send_to_device(current, self.device, self._non_blocking)
+                    if wd is not None:
+                        wd.loader_end()
                     return
+                if wd is not None:
+                    wd.batches += 1
                 yield send_to_device(current, self.device, self._non_blocking)
                 current = upcoming
         finally:

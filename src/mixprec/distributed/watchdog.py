@@ -285,6 +285,7 @@ class Watchdog:
                         raise
                     verdict = self.diagnose(store, waiting_check=True)
                     if verdict is not None:
+                        self.stop_peers_then(store)
                         raise CollectiveDesyncError(verdict["report"]) from None
                     # every missing rank is inside main_process_first's block: wait on
         finally:
@@ -406,8 +407,7 @@ class Watchdog:
             try:
                 verdict = self._read_verdict(store)
                 if verdict is not None and verdict["origin"] != self.rank:
-                    store.add(self.prefix + "acks", 1)
-                    self._die(verdict)
+                    self._die(verdict, store)
                 q = int(store.add(self.prefix + "query", 0))
                 for k in range(answered + 1, q + 1):
                     store.set(self.prefix + f"status/{k}/{self.rank}", json.dumps(self.status()))
@@ -417,16 +417,24 @@ class Watchdog:
                     fired = True
                     verdict = self.diagnose(store)
                     if verdict is not None:
-                        self.stop_peers_then(store)
-                        self._die(verdict)
+                        self._die(verdict, store)
             except Exception:  # noqa: BLE001 - the store is gone (its host exited): stop watching
                 return
 
-    def _die(self, verdict: dict) -> None:
+    def _die(self, verdict: dict, store) -> None:
+        """Print the verdict and end this process (its main thread may be blocked inside
+        the backend, where it cannot be interrupted)."""
         sys.stderr.write(f"[mixprec rank {self.rank}] collective desync, stopping this rank "
                          f"(exit code {EXIT_CODE}):\n{verdict['report']}\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        try:
+            if verdict["origin"] == self.rank:
+                self.stop_peers_then(store)
+            else:
+                store.add(self.prefix + "acks", 1)
+        except Exception:  # noqa: BLE001 - the store's host may be gone
+            pass
         os._exit(EXIT_CODE)
 
     # -- wrapping ----------------------------------------------------------------------
@@ -447,10 +455,12 @@ class Watchdog:
             self.leave()
 
 
-def _loader_text(info: dict) -> str:
+def _loader_text(info: dict, sep: str = "; ") -> str:
     if info["exhausted"]:
-        return f"its dataloader ran out after {info['batches']} batches"
-    return f"its dataloader is at batch {info['batches']}"
+        return f"{sep}its dataloader ran out after {info['batches']} batches"
+    if info["batches"]:
+        return f"{sep}its dataloader is at batch {info['batches']}"
+    return ""
 
 
 def _verdict(me: int, mine: dict, statuses: dict, exited: dict, loaders: dict, world: int,
@@ -469,25 +479,26 @@ def _verdict(me: int, mine: dict, statuses: dict, exited: dict, loaders: dict, w
         s = statuses.get(r)
         if s is None:
             if r in exited:
-                lines.append(f"  rank {r}: {exited[r]['how']} ({_loader_text(exited[r])})")
+                lines.append(f"  rank {r}: {exited[r]['how']}{_loader_text(exited[r])}")
             else:
                 lines.append(f"  rank {r}: did not answer (dead, or stuck in native code holding the GIL)"
-                             + (f"; {_loader_text(loaders[r])}" if r in loaders else ""))
+                             + (_loader_text(loaders[r]) if r in loaders else ""))
             blamed.append(r)
         elif s["call"] is None:
-            lines.append(f"  rank {r}: not in any collective (last: {s['last'] or 'none'}; "
+            lines.append(f"  rank {r}: not in any collective (last: {s['last'] or 'none'}"
                          f"{_loader_text(s)}); its main thread is at:")
             lines.extend("    " + line for line in s["stack"].rstrip("\n").splitlines())
             blamed.append(r)
         else:
-            shapes = f", tensors {s['shapes']}" if s.get("shapes") else ""
+            shapes = f", tensors {', '.join(s['shapes'])}" if s.get("shapes") else ""
             lines.append(f"  rank {r}: in {s['call']}() at {s['where']} (call #{s['seq']}{shapes}, "
-                         f"{s['waiting_s']} s; {_loader_text(s)})")
+                         f"for {s['waiting_s']} s{_loader_text(s)})")
             groups.setdefault((s["call"], s["seq"]), []).append(r)
     if len(groups) > 1 and not blamed:
         # Different calls at the same point: the ranks outside the largest group are blamed
         # (on a tie, those outside the group of the lowest rank).
         biggest = max(groups.values(), key=lambda g: (len(g), -min(g)))
+        biggest_call = next(k[0] for k, g in groups.items() if g is biggest)
         blamed = sorted(r for g in groups.values() if g is not biggest for r in g)
         lines.append("ranks are in different collective calls: every rank must make the same "
                      "collective calls in the same order")
@@ -501,7 +512,8 @@ def _verdict(me: int, mine: dict, statuses: dict, exited: dict, loaders: dict, w
             "prepared dataloaders, or give every rank the same number of batches (drop_last=True)")
     if blamed:
         lines.append(f"blamed: rank(s) {blamed} (did not reach the collective the others wait in)"
-                     if not groups or len(groups) == 1 else f"blamed: rank(s) {blamed}")
+                     if len(groups) <= 1 else f"blamed: rank(s) {blamed} (in another call than rank "
+                     f"{min(biggest)}'s {biggest_call}())")
     else:
         lines.append("every rank is inside the same collective: the hang is inside the backend "
                      "(network, or a peer process stopped)")

@@ -233,6 +233,7 @@ class Watchdog:
 
     def leave(self) -> None:
         self.last = f"{self.call} #{self.seq}"
+        self.checking = False
         self.call = None
         self.frame = None
         self.shapes = None
@@ -356,6 +357,7 @@ class Watchdog:
         report, blamed = _verdict(self.rank, mine, statuses, exited, loaders, self.world_size,
                                   self.timeout_s, error)
         verdict = {"origin": self.rank, "report": report, "blamed": blamed,
+                   "alive": [r for r, st in statuses.items() if st is not None],
                    "stacks": {str(r): statuses[r]["stack"] for r in blamed
                               if statuses.get(r) and statuses[r].get("stack")}}
         raw = json.dumps(verdict)
@@ -374,9 +376,14 @@ class Watchdog:
         """Give the other ranks' watchdogs a moment to read the verdict (the store may
         live in this process)."""
         deadline = time.monotonic() + 4 * POLL_S + 1.0
+        try:
+            verdict = self._read_verdict(store) or {}
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            return
+        others = len([r for r in verdict.get("alive", range(self.world_size)) if r != self.rank])
         while time.monotonic() < deadline:
             try:
-                if int(store.add(self.prefix + "acks", 0)) >= self.world_size - 1:
+                if int(store.add(self.prefix + "acks", 0)) >= others:
                     return
             except Exception:  # noqa: BLE001
                 return
@@ -384,6 +391,7 @@ class Watchdog:
 
     def backend_error(self, e: BaseException) -> None:
         """A backend error inside a tracked call: diagnose, then raise the verdict from it."""
+        self.checking = True  # this thread reports it: the watchdog thread must not fire
         try:
             store = self._store_main()
             verdict = self.diagnose(store, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
@@ -502,7 +510,7 @@ def _verdict(me: int, mine: dict, statuses: dict, exited: dict, loaders: dict, w
         blamed = sorted(r for g in groups.values() if g is not biggest for r in g)
         lines.append("ranks are in different collective calls: every rank must make the same "
                      "collective calls in the same order")
-    counts = {r: (s or exited.get(r) or loaders.get(r)) for r in range(world)}
+    counts = {r: (statuses.get(r) or exited.get(r) or loaders.get(r)) for r in range(world)}
     finished = [r for r, info in counts.items() if info and info.get("exhausted")]
     if finished and len({info["batches"] for info in counts.values() if info}) > 1:
         lines.append(

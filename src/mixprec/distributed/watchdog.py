@@ -119,10 +119,14 @@ def _is_backend_error(e: BaseException) -> bool:
 
 
 def _main_stack() -> str:
+    """The main thread's stack, without mixprec's and runpy's frames (the launcher's
+    bootstrap) unless nothing else is left."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return "  <no main thread>\n"
-    return "".join(traceback.format_stack(frame))
+    frames = traceback.extract_stack(frame)
+    mine = [f for f in frames if not (f.filename.startswith(_PKG_DIR) or f.filename.startswith("<frozen"))]
+    return "".join(traceback.format_list(mine or frames))
 
 
 def _tcp_address(store) -> Optional[tuple[str, int]]:

@@ -172,6 +172,7 @@ class Watchdog:
         self.exhausted = False  # the last dataloader pass ran to its end
         self.checks = 0  # checked calls so far (the store check's own numbering)
         self._main_store = None  # store client of the main thread (the checks)
+        self._answered = 0  # status questions answered (the "query" counter in the store)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -336,6 +337,12 @@ class Watchdog:
         statuses: dict[int, Optional[dict]] = {}
         exited: dict[int, dict] = {}
         while time.monotonic() < deadline:
+            # Two ranks may diagnose at once: each answers the other's question, and the
+            # first verdict published is everyone's.
+            existing = self._read_verdict(store)
+            if existing is not None:
+                return existing
+            self._answer(store)
             for r in range(self.world_size):
                 if r in statuses:
                     continue
@@ -370,6 +377,15 @@ class Watchdog:
             verdict = json.loads(current)
         _record_for_launcher(verdict)
         return verdict
+
+    def _answer(self, store) -> None:
+        """Publish this rank's status for every question asked since the last answer."""
+        q = int(store.add(self.prefix + "query", 0))
+        if q > self._answered:
+            status = json.dumps(self.status())
+            for k in range(self._answered + 1, q + 1):
+                store.set(self.prefix + f"status/{k}/{self.rank}", status)
+            self._answered = q
 
     def _read_verdict(self, store) -> Optional[dict]:
         if store.check([self.prefix + "verdict"]):
@@ -413,17 +429,13 @@ class Watchdog:
             store = self._client(max(10.0, self.timeout_s))
         except Exception:  # noqa: BLE001 - no store: nothing to watch with
             return
-        answered = 0
         fired = False
         while not self._stop.wait(POLL_S):
             try:
                 verdict = self._read_verdict(store)
                 if verdict is not None and verdict["origin"] != self.rank:
                     self._die(verdict, store)
-                q = int(store.add(self.prefix + "query", 0))
-                for k in range(answered + 1, q + 1):
-                    store.set(self.prefix + f"status/{k}/{self.rank}", json.dumps(self.status()))
-                answered = q
+                self._answer(store)
                 if (not fired and self.call is not None and not self.checking and not self.long_body
                         and time.monotonic() - self.since > self.timeout_s):
                     fired = True

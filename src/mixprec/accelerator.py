@@ -486,6 +486,17 @@ class Accelerator:
         if self.is_local_main_process:
             _first_barrier(self.state)
 
+    def join_uneven_inputs(self, joinables, even_batches: Optional[bool] = None):
+        """Not supported: mixprec's engines have no shadow collectives for a rank whose data
+        ran out (torch's ``Join``). Raises NotImplementedError naming the workarounds."""
+        raise NotImplementedError(
+            "join_uneven_inputs() is not supported by mixprec (its engines cannot shadow the "
+            "collectives of a rank whose data ran out). Give every rank the same number of "
+            "batches instead: keep even_batches=True (the default) for prepared dataloaders, "
+            "or use drop_last=True. A rank that runs out early is named by collective desync "
+            "detection (docs/troubleshooting.md)."
+        )
+
     def gather(self, tensor):
         """All-gather tensors (nested containers too), concatenated on dim 0."""
         return collectives.gather(self.state, tensor)

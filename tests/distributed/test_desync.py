@@ -56,12 +56,15 @@ def _run(tmp_path, case: str, timeout_s: float = TIMEOUT_S):
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    elapsed = time.monotonic() - start
+    ended = time.time()
     outs = []
     for f in files:
         f.seek(0)
         outs.append(f.read())
         f.close()
+    faults = [float(m) for out in outs for m in re.findall(r"^FAULT_AT ([\d.]+)$", out, re.M)]
+    # From the later rank's arrival at the faulty part to both ranks gone.
+    elapsed = ended - max(faults) if faults else float("nan")
     return [(p.returncode, out) for p, out in zip(procs, outs)], elapsed
 
 
@@ -94,7 +97,7 @@ def test_collective_on_one_rank_names_both_calls_and_lines(tmp_path, case, backe
                              f"rank 1: in backward() at {_line('backward')}",
                              "ranks are in different collective calls"], "[1]")
     assert results[0][0] == RAISED  # the checked call's own thread raises on rank 0
-    print(f"\n[{case}] both ranks stopped {elapsed:.1f} s after start; rank 0 raised "
+    print(f"\n[{case}] both ranks gone {elapsed:.1f} s after the fault; rank 0 raised "
           f"{_detected_after(results[0][1]):.1f} s after the call (timeout {TIMEOUT_S} s)")
 
 
@@ -102,7 +105,7 @@ def test_clip_grad_norm_on_one_rank_zero3(tmp_path):
     results, elapsed = _run(tmp_path, "clip")
     _assert_report(results, [f"rank 0: in clip_grad_norm_() at {_line('clip')}",
                              f"rank 1: in optimizer.step() at {_line('clip_step')}"], "[1]")
-    print(f"\n[clip zero3] both ranks stopped {elapsed:.1f} s after start")
+    print(f"\n[clip zero3] both ranks gone {elapsed:.1f} s after the fault")
 
 
 def test_different_calls_at_the_same_point_raise_at_once(tmp_path):
@@ -138,7 +141,7 @@ def test_rank_stuck_in_python_is_blamed_with_its_stack(tmp_path):
         assert f"rank 0: in backward() at {_line('backward')}" in out
         assert "blamed: rank(s) [1] (did not reach the collective the others wait in)" in out
     assert results[1][0] == EXIT_CODE  # stopped by the verdict while looping
-    print(f"\n[stuck in Python] both ranks stopped {elapsed:.1f} s after start (timeout {TIMEOUT_S} s)")
+    print(f"\n[stuck in Python] both ranks gone {elapsed:.1f} s after the fault (timeout {TIMEOUT_S} s)")
 
 
 def test_uneven_data_then_exit_names_the_exhausted_dataloader(tmp_path):
@@ -163,7 +166,7 @@ def test_uneven_data_then_wait_names_the_exhausted_dataloader(tmp_path):
                              f"rank 0: in backward() at {_line('uneven_backward')}",
                              "its dataloader is at batch 3",
                              "uneven data: rank 1's dataloader ran out after 2 batches"], "[1]")
-    print(f"\n[uneven data, wait] both ranks stopped {elapsed:.1f} s after start")
+    print(f"\n[uneven data, wait] both ranks gone {elapsed:.1f} s after the fault")
 
 
 def test_main_process_first_may_take_longer_than_the_timeout(tmp_path):
@@ -174,6 +177,23 @@ def test_main_process_first_may_take_longer_than_the_timeout(tmp_path):
         assert f"main_first ok rank={rank}" in out
         assert "collective desync" not in out
     assert elapsed > 2.5 * TIMEOUT_S
+
+
+def test_join_uneven_inputs_names_the_workaround():
+    from mixprec import Accelerator
+
+    acc = Accelerator(cpu=True, log_policy=False)
+    with pytest.raises(NotImplementedError, match="even_batches=True .* drop_last=True"):
+        acc.join_uneven_inputs([])
+
+
+def test_collective_timeout_is_validated_and_can_be_turned_off():
+    from mixprec import Accelerator, ConfigError
+
+    with pytest.raises(ConfigError, match="collective_timeout.*-1"):
+        Accelerator(cpu=True, log_policy=False, config={"collective_timeout": -1})
+    acc = Accelerator(cpu=True, log_policy=False, config={"collective_timeout": None})
+    assert acc.config.config.collective_timeout is None and acc._watchdog is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher supervision is Linux only")

@@ -172,6 +172,7 @@ class Watchdog:
         self.exhausted = False  # the last dataloader pass ran to its end
         self.checks = 0  # checked calls so far (the store check's own numbering)
         self._main_store = None  # store client of the main thread (the checks)
+        self._thread_store = None  # store client of the watchdog thread
         self._answered = 0  # status questions answered (the "query" counter in the store)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -200,6 +201,9 @@ class Watchdog:
                              timeout=datetime.timedelta(seconds=timeout_s))
 
     def start(self) -> None:
+        # Both connections are opened now, while the store's host is surely alive.
+        self._main_store = self._client(self.timeout_s)
+        self._thread_store = self._client(max(10.0, self.timeout_s))
         self._thread = threading.Thread(target=self._run, name="mixprec-desync-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self._at_exit)
@@ -222,8 +226,12 @@ class Watchdog:
     def _publish_exit(self, how: str) -> None:
         if self._stop.is_set():
             return
+        # Only over a connection already open: connecting to a store whose host has exited
+        # (rank 0 under plain env:// start-up) would retry for seconds at every exit.
+        store = self._main_store or self._thread_store
+        if store is None:
+            return
         try:
-            store = self._main_store or self._client(5)
             store.set(self.prefix + f"exited/{self.rank}", json.dumps({"how": how, **self._loader()}))
         except Exception:  # noqa: BLE001 - the store host may be gone already
             pass
@@ -254,6 +262,8 @@ class Watchdog:
         """The dataloader pass ran out: recorded in the store (once per pass) so that a
         peer can name it even after this rank has exited."""
         self.exhausted = True
+        if self._stop.is_set():
+            return
         try:
             self._store_main().set(self.prefix + f"loader/{self.rank}", json.dumps(self._loader()))
         except Exception:  # noqa: BLE001 - diagnosis only; training goes on
@@ -426,7 +436,7 @@ class Watchdog:
     # -- the watchdog thread -----------------------------------------------------------
     def _run(self) -> None:
         try:
-            store = self._client(max(10.0, self.timeout_s))
+            store = self._thread_store = self._thread_store or self._client(max(10.0, self.timeout_s))
         except Exception:  # noqa: BLE001 - no store: nothing to watch with
             return
         fired = False

@@ -232,3 +232,17 @@ def test_sigterm_to_the_launcher_blames_no_rank(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM, err
     assert "failed first" not in err, err
     assert "stopped by SIGTERM sent to the launcher; every rank was terminated (no rank failed on its own)" in err
+
+
+def test_signatures_compare_what_the_backend_needs_equal():
+    import torch
+
+    from mixprec.distributed.watchdog import pad_signature, tree_signature
+
+    a = {"x": torch.ones(4, 3), "y": torch.zeros(2, dtype=torch.int64)}
+    assert tree_signature(a) == "(4, 3) float32, (2,) int64"
+    assert tree_signature(torch.ones(5, 3)) != tree_signature(torch.ones(4, 3))
+    assert tree_signature(torch.ones(4, 3, dtype=torch.bfloat16)) == "(4, 3) bfloat16"
+    # pad_across_processes: the padded dim may differ, the others may not.
+    assert pad_signature(torch.ones(4, 3), 0) == pad_signature(torch.ones(7, 3), 0) == "(*, 3) float32"
+    assert pad_signature(torch.ones(4, 3), 1) != pad_signature(torch.ones(5, 3), 1)

@@ -147,9 +147,10 @@ class Watchdog:
 
     Example::
 
-        wd = Watchdog.create(state, timeout_s=30)          # None on one process / when off
-        with wd.tracked("gather", sys._getframe(0), check="(4,) float32"):
-            ...   # the collective
+        wd = Watchdog.create(state, timeout_s=30)   # None on one process / when off; else
+                                                    # tracked calls report to it:
+        @tracked("gather", tree_signature)          # checked: shapes compared first
+        def gather(state, tree): ...
     """
 
     def __init__(self, rank: int, world_size: int, address: tuple[str, int], timeout_s: float,
@@ -250,9 +251,6 @@ class Watchdog:
         self.call = None
         self.frame = None
         self.shapes = None
-
-    def loader_batch(self) -> None:
-        self.batches += 1
 
     def loader_start(self) -> None:
         self.batches = 0

@@ -5,7 +5,7 @@ Three figures:
 
 * the main thread's cost of one *tracked* call (``backward``, ``optimizer.step``,
   ``clip_grad_norm_``: local bookkeeping only), measured in this process on a no-op;
-* the cost of one *checked* call (``gather`` of one element: three store round trips
+* the cost of one *checked* call (``gather`` of one element: two store round trips
   before the Gloo all-gather), on 2 processes, check on vs off;
 * a tiny 2-process ddp training step (backward, clip_grad_norm_, optimizer.step,
   zero_grad) with detection on vs off: same processes, rounds alternating on/off, median

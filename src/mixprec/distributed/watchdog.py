@@ -26,7 +26,7 @@ Two mechanisms, both off the data path of the collectives themselves:
   ``gather_for_metrics``, ``reduce``, ``broadcast``, ``broadcast_object_list``,
   ``pad_across_processes``, ``wait_for_everyone``, ``main_process_first``,
   ``get_state_dict``), are also *checked* before any backend collective: each rank puts its
-  call, source line and tensor shapes/dtypes into the store and reads the others' (three
+  call, source line and tensor shapes/dtypes into the store and reads the others' (two
   store round trips). A different call or a shape mismatch raises
   :class:`CollectiveDesyncError` on every rank at once, naming every rank's call, line and
   shapes; Gloo would instead abort the process natively ("Received data size doesn't
@@ -174,6 +174,7 @@ class Watchdog:
         self.checks = 0  # checked calls so far (the store check's own numbering)
         self._main_store = None  # store client of the main thread (the checks)
         self._thread_store = None  # store client of the watchdog thread
+        self._garbage: list[str] = []  # store keys the watchdog thread deletes
         self._answered = 0  # status questions answered (the "query" counter in the store)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -288,8 +289,10 @@ class Watchdog:
         self.checking = True
         try:
             store.set(keys[self.rank], mine)
-            if self.checks > 2:  # every rank has read round checks-2 ([Note: desync detection])
-                store.delete_key(self.prefix + f"check/{self.checks - 2}/{self.rank}")
+            if self.checks > 2:
+                # Every rank has read round checks-2 (each wrote round checks-1 after reading
+                # it); the watchdog thread deletes the key, off this thread's path.
+                self._garbage.append(self.prefix + f"check/{self.checks - 2}/{self.rank}")
             while True:
                 try:
                     values = store.multi_get(keys)
@@ -444,6 +447,8 @@ class Watchdog:
                 if verdict is not None and verdict["origin"] != self.rank:
                     self._die(verdict, store)
                 self._answer(store)
+                while self._garbage:
+                    store.delete_key(self._garbage.pop())
                 if (not fired and self.call is not None and not self.checking and not self.long_body
                         and time.monotonic() - self.since > self.timeout_s):
                     fired = True

@@ -91,6 +91,13 @@ try:
                 time.sleep(2.5 * timeout)  # longer than the timeout: legitimate
         step()
         print(f"main_first ok rank={rank}", flush=True)
+    elif case == "slow_step":
+        x = torch.randn(4, 8, requires_grad=True)
+        out = model(x)
+        out.register_hook(lambda g: time.sleep(2 * timeout) or g)  # slow on every rank
+        acc.backward(out.pow(2).mean())
+        opt.step()
+        print(f"slow_step ok rank={rank}", flush=True)
     else:
         raise SystemExit(f"unknown case {case!r}")
 except CollectiveDesyncError as e:

@@ -179,6 +179,16 @@ def test_main_process_first_may_take_longer_than_the_timeout(tmp_path):
     assert elapsed > 2.5 * TIMEOUT_S
 
 
+def test_a_slow_step_on_every_rank_is_not_a_desync(tmp_path):
+    """Every rank spends 2x the timeout inside the same backward: reported, not stopped."""
+    results, elapsed = _run(tmp_path, "slow_step")
+    for rank, (code, out) in enumerate(results):
+        assert code == 0, out
+        assert f"slow_step ok rank={rank}" in out
+        assert "no rank is missing, so this is not a desync; waiting on" in out
+        assert "collective desync" not in out
+
+
 def test_join_uneven_inputs_names_the_workaround():
     from mixprec import Accelerator
 

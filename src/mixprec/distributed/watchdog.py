@@ -378,6 +378,15 @@ class Watchdog:
             return None  # the main process is inside main_process_first's block: wait on
         report, blamed = _verdict(self.rank, mine, statuses, exited, loaders, self.world_size,
                                   self.timeout_s, error)
+        same_call = len({(st["call"], st["seq"]) for st in statuses.values() if st is not None}) == 1
+        if error is None and not blamed and same_call:
+            # Every rank is inside the same call: a slow step, not a desync (or a hang inside
+            # the backend, which the process group's own timeout ends). Say so and go on.
+            sys.stderr.write(f"[mixprec rank {self.rank}] every rank has been inside {mine['call']}() "
+                             f"#{mine['seq']} for more than {self.timeout_s:g} s (collective_timeout): no "
+                             f"rank is missing, so this is not a desync; waiting on\n")
+            sys.stderr.flush()
+            return None
         verdict = {"origin": self.rank, "report": report, "blamed": blamed,
                    "alive": [r for r, st in statuses.items() if st is not None],
                    "stacks": {str(r): statuses[r]["stack"] for r in blamed
@@ -440,7 +449,7 @@ class Watchdog:
             store = self._thread_store = self._thread_store or self._client(max(10.0, self.timeout_s))
         except Exception:  # noqa: BLE001 - no store: nothing to watch with
             return
-        fired = False
+        diagnosed = (-1, 0.0)  # the tracked call last diagnosed (its number), when to look again
         while not self._stop.wait(POLL_S):
             try:
                 verdict = self._read_verdict(store)
@@ -449,9 +458,10 @@ class Watchdog:
                 self._answer(store)
                 while self._garbage:
                     store.delete_key(self._garbage.pop())
-                if (not fired and self.call is not None and not self.checking and not self.long_body
-                        and time.monotonic() - self.since > self.timeout_s):
-                    fired = True
+                now = time.monotonic()
+                due = self.since + self.timeout_s if self.seq != diagnosed[0] else diagnosed[1]
+                if self.call is not None and not self.checking and not self.long_body and now > due:
+                    diagnosed = (self.seq, now + self.timeout_s)  # again a timeout later
                     verdict = self.diagnose(store)
                     if verdict is not None:
                         self._die(verdict, store)

@@ -7,6 +7,7 @@ Prints "RESULT rank=<r> kind=<error|none> elapsed=<s>" then the error message, t
 "END". Lines the tests look for carry a "# MARK:<name>" comment.
 """
 
+import datetime
 import sys
 import time
 
@@ -16,8 +17,12 @@ from mixprec import Accelerator, CollectiveDesyncError
 
 case, timeout = sys.argv[1], float(sys.argv[2])
 backend = {"state_dict": "zero2", "clip": "zero3"}.get(case, "ddp")
-acc = Accelerator(cpu=True, log_policy=False, backend=backend, config={"collective_timeout": timeout},
-                  even_batches=False if case.startswith("uneven") else None)
+# stuck_gloo: the process group's own timeout is the short one (desync detection at 60 s).
+short_pg = case == "stuck_gloo"
+acc = Accelerator(cpu=True, log_policy=False, backend=backend,
+                  config={"collective_timeout": 60 if short_pg else timeout},
+                  even_batches=False if case.startswith("uneven") else None,
+                  timeout=datetime.timedelta(seconds=timeout if short_pg else 1800))
 rank = acc.process_index
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -64,7 +69,7 @@ try:
             acc.gather(torch.ones(3))  # MARK:diff0
         else:
             acc.reduce(torch.ones(3))  # MARK:diff1
-    elif case == "stuck":
+    elif case in ("stuck", "stuck_gloo"):
         if rank == 1:
             while True:
                 time.sleep(0.05)  # MARK:stuck

@@ -207,9 +207,13 @@ def test_collective_timeout_is_validated_and_can_be_turned_off():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher supervision is Linux only")
-def test_launcher_blames_the_stalled_rank_and_prints_its_stack(tmp_path):
+@pytest.mark.parametrize("case", ["stuck", "stuck_gloo"])
+def test_launcher_blames_the_stalled_rank_and_prints_its_stack(tmp_path, case):
+    """stuck: rank 0's watchdog times out; stuck_gloo: the process group's 3 s timeout ends
+    rank 0's backward first (detection at 60 s), and that error is diagnosed. Either way the
+    launcher blames rank 1 (it used to say "rank 0 failed first")."""
     proc = subprocess.run([sys.executable, "-m", "mixprec", "launch", "--nproc-per-node", "2", str(SCRIPT),
-                           "stuck", str(TIMEOUT_S)], capture_output=True, text=True, timeout=BOUND_S + 30,
+                           case, str(TIMEOUT_S)], capture_output=True, text=True, timeout=BOUND_S + 30,
                           cwd=tmp_path)
     err = proc.stderr
     assert proc.returncode == 1, err
@@ -219,6 +223,8 @@ def test_launcher_blames_the_stalled_rank_and_prints_its_stack(tmp_path):
     stack = summary.split("[mixprec launch] rank 1's stack when it was blamed:")[1]
     assert f'File "{SCRIPT}", line {_line("stuck").rsplit(":", 1)[1]}, in <module>' in stack
     assert "runpy" not in stack  # the launcher's bootstrap frames are left out
+    if case == "stuck_gloo":
+        assert "rank 0 failed in backward()" in summary and "Timed out waiting 3000ms" in summary
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher supervision is Linux only")

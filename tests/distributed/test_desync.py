@@ -262,3 +262,29 @@ def test_signatures_compare_what_the_backend_needs_equal():
     # pad_across_processes: the padded dim may differ, the others may not.
     assert pad_signature(torch.ones(4, 3), 0) == pad_signature(torch.ones(7, 3), 0) == "(*, 3) float32"
     assert pad_signature(torch.ones(4, 3), 1) != pad_signature(torch.ones(5, 3), 1)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="launcher supervision is Linux only")
+def test_launcher_prints_where_the_surviving_ranks_were(tmp_path):
+    """No verdict (rank 0 raises while rank 1 loops): the launcher SIGUSR1s rank 1 at the
+    failure and prints its faulthandler dump, so a stuck survivor shows where it was."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "flag = os.path.join(sys.argv[1], 'looping')\n"
+        "def stuck_here():\n"
+        "    open(flag, 'w').close()\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    stuck_here()\n"
+        "while not os.path.exists(flag):\n"
+        "    time.sleep(0.05)\n"
+        "raise ValueError('rank zero fails')\n")
+    proc = subprocess.run([sys.executable, "-m", "mixprec", "launch", "--nproc-per-node", "2", str(script),
+                           str(tmp_path)], capture_output=True, text=True, timeout=90)
+    err = proc.stderr
+    assert proc.returncode == 1, err
+    assert "rank 0 failed first" in err and "ValueError: rank zero fails" in err
+    dump = err.split("[mixprec launch] rank 1's threads when the first failure was seen:")[1]
+    assert "in stuck_here" in dump and str(script) in dump

@@ -25,6 +25,7 @@ from .config import ConfigError, MixprecConfig
 from .diagnostics import doctor
 from .engines.units import set_leaf_modules
 from .errors import (
+    CollectiveDesyncError,
     MixprecDtypeError,
     MixprecError,
     NonFiniteGradientsError,
@@ -49,6 +50,7 @@ __all__ = [
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "build_info",
+    "CollectiveDesyncError",
     "ConfigError",
     "doctor",
     "MixprecConfig",

@@ -18,6 +18,7 @@ from torch import nn
 from .data.sharding import shard_dataloader
 from .diagnostics.overflow import OverflowWatch, check_overflow_budget
 from .distributed import collectives
+from .distributed import watchdog as desync
 from .distributed.state import (
     DistributedState,
     destroy_distributed,
@@ -302,6 +303,8 @@ class Accelerator(AccelerateApi):
         self._load_hooks: dict = {}  # register_load_state_pre_hook
         self._no_sync_depth: dict[int, int] = {}  # id(model) -> open no_sync blocks
         self._trigger = False  # set_trigger / check_trigger
+        # Collective desync detection ([Note: desync detection] in distributed/watchdog.py).
+        self._watchdog = desync.Watchdog.create(self.state, cfg.collective_timeout)
 
     def _renew_engine(self) -> None:
         """free_memory(): a fresh engine of the same kind, the old one's buffers released."""
@@ -482,6 +485,7 @@ class Accelerator(AccelerateApi):
             restore_class(model)
         return model
 
+    @desync.tracked("get_state_dict", desync.plain_signature)
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """Full-precision state dict: parameters from the fp32 masters where there are."""
         return self.engine.full_state_dict(model)
@@ -502,6 +506,7 @@ class Accelerator(AccelerateApi):
         steps = self.gradient_state.accumulation_steps
         return loss / steps if steps > 1 else loss
 
+    @desync.tracked("backward")
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()`` with accumulation division (once) and loss scaling."""
         self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
@@ -516,6 +521,7 @@ class Accelerator(AccelerateApi):
         for opt in targets:
             self.engine.unscale_(opt._state)
 
+    @desync.tracked("clip_grad_norm_")
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients (unscaled first) to ``max_norm``; returns the total pre-clip norm.
         A nan or negative ``max_norm`` raises ValueError before any gradient changes
@@ -524,6 +530,7 @@ class Accelerator(AccelerateApi):
             parameters = [parameters]
         return self.engine.clip_grad_norm_(list(parameters), max_norm, norm_type)
 
+    @desync.tracked("clip_grad_value_")
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         """Clamp each gradient element (unscaled first) to ``[-clip_value, clip_value]``.
         A nan or negative ``clip_value`` raises ValueError before any gradient changes."""
@@ -582,19 +589,32 @@ class Accelerator(AccelerateApi):
     def main_process_first(self):
         """Run the block on the main process first, then on the others (e.g. a download)."""
         if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
+            _first_barrier(self.state)
+        with desync.long_body() if self.is_main_process else contextlib.nullcontext():
+            yield
         if self.is_main_process:
-            self.wait_for_everyone()
+            _first_barrier(self.state)
 
     @contextlib.contextmanager
     def local_main_process_first(self):
         """Like :meth:`main_process_first`, per node."""
         if not self.is_local_main_process:
-            self.wait_for_everyone()
-        yield
+            _first_barrier(self.state)
+        with desync.long_body() if self.is_local_main_process else contextlib.nullcontext():
+            yield
         if self.is_local_main_process:
-            self.wait_for_everyone()
+            _first_barrier(self.state)
+
+    def join_uneven_inputs(self, joinables, even_batches: Optional[bool] = None):
+        """Not supported: mixprec's engines have no shadow collectives for a rank whose data
+        ran out (torch's ``Join``). Raises NotImplementedError naming the workarounds."""
+        raise NotImplementedError(
+            "join_uneven_inputs() is not supported by mixprec (its engines cannot shadow the "
+            "collectives of a rank whose data ran out). Give every rank the same number of "
+            "batches instead: keep even_batches=True (the default) for prepared dataloaders, "
+            "or use drop_last=True. A rank that runs out early is named by collective desync "
+            "detection (docs/troubleshooting.md)."
+        )
 
     def gather(self, tensor):
         """All-gather tensors (nested containers too), concatenated on dim 0."""
@@ -637,6 +657,8 @@ class Accelerator(AccelerateApi):
         """
         self._finish_trackers()
         self._ended = True
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self.engine.release()
         gc.collect()
         destroy_distributed(self.state)
@@ -653,6 +675,7 @@ class Accelerator(AccelerateApi):
             )
         self._checkpoint_objects.extend(objects)
 
+    @desync.tracked("save_state")
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs) -> str:
         """Save models, optimizers, scaler, schedulers, RNG, dataloader positions and registered
@@ -694,6 +717,7 @@ class Accelerator(AccelerateApi):
             self.wait_for_everyone()
         return str(target)
 
+    @desync.tracked("load_state")
     def load_state(self, input_dir: Optional[str] = None) -> str:
         """Restore what :meth:`save_state` wrote, into the prepared objects, whatever backend
         or world size saved it. Without ``input_dir`` (automatic naming) the newest complete
@@ -725,6 +749,7 @@ class Accelerator(AccelerateApi):
             config.iteration = number + 1
         return str(source)
 
+    @desync.tracked("save_model")
     def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Union[int, str] = "10GB",
                    safe_serialization: bool = True, *, dtype: Union[str, torch.dtype, None] = None) -> str:
         """Write ``model``'s full weights (fp32 masters, cast to ``dtype`` if given) to
@@ -763,6 +788,9 @@ class Accelerator(AccelerateApi):
 # for every Accelerator still alive: release the engine, then destroy the default group if
 # an Accelerator created it (a group made by the caller is left to the caller).
 _LIVE: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
+# main_process_first's barrier, checked under its own name: the main process may be inside
+# the block far longer than collective_timeout, which its peers' check allows.
+_first_barrier = desync.tracked("main_process_first", desync.plain_signature)(collectives.barrier)
 _CREATED_GROUPS: set[str] = set()  # names of the groups Accelerators initialised
 
 

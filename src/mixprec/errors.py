@@ -81,3 +81,12 @@ class NonFiniteGradientsError(MixprecError):
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
         self.step = step
+
+
+class CollectiveMismatchError(MixprecError):
+    """Ranks did not all make the same collective call (src/mixprec/checkpoint/sync.py)."""
+
+
+class CollectiveDesyncError(CollectiveMismatchError):
+    """Ranks made different collective calls, passed tensors of different shapes, or one
+    did not arrive ([Note: desync detection] in src/mixprec/distributed/watchdog.py)."""

@@ -19,7 +19,16 @@ is omitted). mixprec adds supervision on top of the agent:
 * once any rank has failed, the agent sends SIGTERM to the others at once, and mixprec
   SIGKILLs whatever is still alive ``KILL_AFTER_S`` seconds later (the agent itself
   would wait up to 30 s), so every rank is gone within ``KILL_AFTER_S`` + 0.1 s;
-* the launcher exits 1 when any rank failed;
+* when the ranks' desync watchdogs agree on a verdict (a rank that stopped making the
+  collective calls the others wait in, see [Note: desync detection] in
+  src/mixprec/distributed/watchdog.py), the launcher blames the rank the verdict names,
+  not the one that timed out waiting, and prints that rank's Python stack;
+* each rank dumps the stacks of all its threads (``faulthandler``) into the launcher's
+  record directory on SIGUSR1, which the launcher sends to every rank still alive at the
+  first failure: the summary shows where the blamed ranks (or, without a verdict, the
+  ranks that did not fail) were;
+* the launcher exits 1 when any rank failed; stopped by a signal (SIGTERM, SIGINT) it
+  blames no rank and exits 128 + the signal number;
 * every rank dies with the launcher, whatever ends it (SIGKILL included), see
   ``[Note: ranks die with their launcher]``.
 
@@ -50,6 +59,8 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 KILL_AFTER_S = 5.0  # SIGKILL survivors this long after the first failure
 POLL_S = 0.05
 _FIRST = "first_failure.json"
+_VERDICT = "desync.json"  # written by the ranks' watchdogs (mixprec/distributed/watchdog.py)
+_STACK_SIGNAL = signal.SIGUSR1
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -205,6 +216,11 @@ def _worker_main(argv: list[str]) -> None:
         "start": _proc_start_time(os.getpid()),
     }
     _write_json(d / f"rank{rank}.pid", me)
+    # SIGUSR1 from the launcher: the stacks of every thread, into rank<r>.stack. The file
+    # stays open for the life of the process (faulthandler writes to its descriptor).
+    import faulthandler
+
+    faulthandler.register(_STACK_SIGNAL, file=open(d / f"rank{rank}.stack", "w"), all_threads=True)
     script = argv[0]
     sys.argv = list(argv)
     sys.path[0] = str(Path(script).resolve().parent)
@@ -236,6 +252,10 @@ def _worker_failed(d: Path, me: dict, tb: str, exc: BaseException) -> None:
     # most likely a consequence (e.g. a collective losing its peer). Give it time to show.
     # With several dead peers (the agent SIGTERMs the rest after a failure) the launcher
     # decides which was first, from the agent's exit codes.
+    if (d / _VERDICT).exists():  # a desync verdict names who is to blame, in the summary
+        print(f"[mixprec launch] rank {me['rank']} stopped after a collective desync verdict; "
+              f"the launcher's summary names the rank to blame", file=sys.stderr, flush=True)
+        return
     dead: list[dict] = []
     for _ in range(6):
         dead = _dead_peers(d, exclude=me["rank"])
@@ -306,6 +326,17 @@ class _Supervisor(threading.Thread):
     def _mark(self) -> None:
         if self.failed_at is None:
             self.failed_at = time.monotonic()
+            self._dump_stacks()
+
+    def _dump_stacks(self) -> None:
+        """Ask every rank still alive for its threads' stacks (faulthandler, rank<r>.stack)."""
+        for pid_file in self.d.glob("rank*.pid"):
+            info = _read_json(pid_file)
+            if info and _proc_start_time(info["pid"]) == info["start"]:
+                try:
+                    os.kill(info["pid"], _STACK_SIGNAL)
+                except ProcessLookupError:
+                    pass
 
     def _kill_survivors(self) -> None:
         for pid_file in self.d.glob("rank*.pid"):
@@ -318,9 +349,33 @@ class _Supervisor(threading.Thread):
                     pass
 
 
+def _stack_of(d: Path, rank: int) -> str:
+    try:
+        return (d / f"rank{rank}.stack").read_text()
+    except OSError:
+        return ""
+
+
 def _summary(d: Path, agent_error: Optional[BaseException]) -> None:
     first = _read_json(d / _FIRST)
     out = sys.stderr
+    verdict = _read_json(d / _VERDICT)
+    if verdict is not None:
+        blamed = verdict["blamed"]
+        print(f"[mixprec launch] FAILED: collective desync: rank(s) {blamed} stopped making the "
+              f"collective calls the other ranks waited in (the ranks' watchdog verdict; the ranks "
+              f"that timed out waiting are not to blame):\n{verdict['report']}", file=out)
+        for r in blamed:
+            stack = verdict.get("stacks", {}).get(str(r)) or _stack_of(d, r)
+            if stack:
+                print(f"[mixprec launch] rank {r}'s stack when it was blamed:\n{stack.rstrip()}", file=out)
+        for err_file in sorted(d.glob("rank*.err")):
+            rec = _read_json(err_file)
+            if rec:
+                last = (rec.get("traceback") or "").rstrip().splitlines()[-1:] or [rec.get("reason", "")]
+                print(f"[mixprec launch] rank {rec['rank']} raised: {last[0][:200]}", file=out)
+        out.flush()
+        return
     if first is not None:
         where = f"node {first['node_rank']}, local rank {first['local_rank']}, pid {first['pid']}"
         if first.get("traceback"):
@@ -337,6 +392,14 @@ def _summary(d: Path, agent_error: Optional[BaseException]) -> None:
     for rec in secondary:
         print(f"[mixprec launch] rank {rec['rank']} also failed (node {rec['node_rank']}, local rank "
               f"{rec['local_rank']}):\n{rec['traceback']}", file=out, end="")
+    # Where the ranks that did not fail were when the first failure was seen (SIGUSR1 dumps):
+    # a rank stuck outside any collective shows up here.
+    for stack_file in sorted(d.glob("rank*.stack")):
+        rank = int(stack_file.stem[4:])
+        text = _stack_of(d, rank)
+        if text.strip() and (first is None or rank != first["rank"]):
+            print(f"[mixprec launch] rank {rank}'s threads when the first failure was seen:\n{text.rstrip()}",
+                  file=out)
     if first is None and agent_error is not None:
         print(f"[mixprec launch] FAILED: {agent_error}", file=out)
     out.flush()
@@ -357,6 +420,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -388,10 +452,14 @@ def _run(args: argparse.Namespace) -> int:
         supervisor = _Supervisor(d, args.kill_after)
         supervisor.start()
         agent_error: Optional[BaseException] = None
+        stopped_by: Optional[int] = None
         try:
             elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
         except ChildFailedError as e:
             agent_error = e
+        except SignalException as e:  # the launcher itself got SIGTERM/SIGINT/...
+            agent_error = e
+            stopped_by = int(e.sigval)
         except Exception as e:  # noqa: BLE001 - rendezvous errors etc. are reported, not re-raised
             agent_error = e
         finally:
@@ -399,12 +467,18 @@ def _run(args: argparse.Namespace) -> int:
         exitcodes = {}
         if isinstance(agent_error, ChildFailedError):
             exitcodes = {rank: f.exitcode for rank, f in agent_error.failures.items()}
-        if not (d / _FIRST).exists():
+        if stopped_by is not None and not (d / _FIRST).exists() and not (d / _VERDICT).exists() \
+                and not any(d.glob("rank*.err")):
+            # The ranks died of the signal the agent forwarded: none of them is to blame.
+            print(f"[mixprec launch] stopped by {signal.Signals(stopped_by).name} sent to the launcher; "
+                  f"every rank was terminated (no rank failed on its own)", file=sys.stderr, flush=True)
+            return 128 + stopped_by
+        if not (d / _FIRST).exists() and not (d / _VERDICT).exists():
             supervisor.claim_silent_first(exitcodes)
-        failed = agent_error is not None or (d / _FIRST).exists()
+        failed = agent_error is not None or (d / _FIRST).exists() or (d / _VERDICT).exists()
         if failed:
             _summary(d, agent_error if not isinstance(agent_error, ChildFailedError) else None)
-            if (d / _FIRST).exists() is False and isinstance(agent_error, ChildFailedError):
+            if not (d / _FIRST).exists() and not (d / _VERDICT).exists() and isinstance(agent_error, ChildFailedError):
                 print(f"[mixprec launch] FAILED:\n{agent_error.format_msg()}", file=sys.stderr)
             return 1
         return 0

@@ -20,12 +20,10 @@ import datetime
 
 import torch.distributed as dist
 
-from ..errors import MixprecError
+from ..errors import CollectiveMismatchError
 from ..distributed.state import DistributedState
 
-
-class CollectiveMismatchError(MixprecError):
-    """Ranks did not all make the same collective checkpoint call."""
+__all__ = ["CallCheck", "CollectiveMismatchError"]
 
 
 class CallCheck:

@@ -208,6 +208,16 @@ class MixprecConfig:
     ``accelerator.skipped_steps`` and logs a warning. ``raise``: every rank raises
     :class:`mixprec.NonFiniteGradientsError` naming the step, nothing updated. fp16 keeps
     its loss-scaler logic (``overflow``, see ``max_consecutive_overflows``)."""
+    collective_timeout: Optional[float] = checked(
+        30.0, lambda v: v is None or _positive(v), "null or a number > 0 (seconds)")
+    """Collective desync detection: a rank inside one collective call (``gather``,
+    ``wait_for_everyone``, ``optimizer.step``, ...) longer than this many seconds makes every
+    rank print which rank did not arrive or made another call, with its source line or its
+    Python stack, and stop (exit code 87; the waiting rank raises
+    :class:`mixprec.CollectiveDesyncError` where it can). Calls whose tensors must agree
+    (``gather``, ``reduce``, ``broadcast``, ...) are checked first: a different call or shape
+    on another rank raises on every rank at once. null: off (a desync then hangs until the
+    process group's timeout). See docs/troubleshooting.md."""
     param_dtype: Optional[Dtype] = None
     """Store trainable parameters in this dtype (bf16/fp16) with fp32 masters. null keeps
     the model's own dtype."""

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..utils import tree_map_tensors
 from .state import DistributedState
+from .watchdog import pad_signature, plain_signature, tracked, tree_signature
 
 _REDUCTIONS = ("sum", "mean", "max", "min")
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -46,17 +47,25 @@ def _check_tensor_tree(tree: Any, fn: str) -> None:
         )
 
 
+def _has_tensors(tree: Any) -> bool:
+    found = []
+    tree_map_tensors(lambda t: found.append(t) or t, tree)
+    return bool(found)
+
+
 def _short(obj: Any) -> str:
     text = repr(obj)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+@tracked("wait_for_everyone", plain_signature)
 def barrier(state: DistributedState) -> None:
     """Block until every process reaches this call (no-op on one process)."""
     if not _single(state):
         dist.barrier(group=state.group)
 
 
+@tracked("gather", tree_signature)
 def gather(state: DistributedState, tree: Any) -> Any:
     """All-gather every tensor in ``tree`` and concatenate the ranks' values on dim 0.
 
@@ -83,6 +92,7 @@ def gather(state: DistributedState, tree: Any) -> Any:
     return tree_map_tensors(one, tree)
 
 
+@tracked("gather_object", plain_signature)
 def gather_object(state: DistributedState, obj: Any) -> list:
     """All-gather picklable Python objects. A list/tuple from each rank is concatenated in
     rank order; any other object gives the list ``[obj_rank0, obj_rank1, ...]``.
@@ -100,6 +110,7 @@ def gather_object(state: DistributedState, obj: Any) -> list:
     return out
 
 
+@tracked("reduce", tree_signature)
 def reduce(state: DistributedState, tree: Any, reduction: str = "sum") -> Any:
     """All-reduce every tensor in ``tree`` across processes; returns new tensors (inputs are
     left untouched). ``reduction="mean"`` divides the sum by the world size (integer tensors
@@ -125,6 +136,7 @@ def reduce(state: DistributedState, tree: Any, reduction: str = "sum") -> Any:
     return tree_map_tensors(one, tree)
 
 
+@tracked("broadcast", lambda tree, src=0: f"{tree_signature(tree)} from rank {src}")
 def broadcast(state: DistributedState, tree: Any, src: int = 0) -> Any:
     """Every rank gets rank ``src``'s tensors (new tensors; inputs are left untouched). All
     ranks must pass tensors of the same shapes and dtypes.
@@ -146,6 +158,7 @@ def broadcast(state: DistributedState, tree: Any, src: int = 0) -> Any:
     return tree_map_tensors(one, tree)
 
 
+@tracked("broadcast_object_list", lambda objs, src=0: f"{len(objs) if isinstance(objs, list) else objs!r} objects from rank {src}")
 def broadcast_object_list(state: DistributedState, object_list: list, src: int = 0) -> list:
     """Overwrite ``object_list`` in place with rank ``src``'s list (same length on every rank)
     and return it.
@@ -170,6 +183,7 @@ def _check_src(state: DistributedState, src: int) -> None:
         raise ValueError(f"src={src!r} is not a rank of this {state.world_size}-process job; use 0..{state.world_size - 1}")
 
 
+@tracked("pad_across_processes", pad_signature)
 def pad_across_processes(
     state: DistributedState, tree: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False
 ) -> Any:
@@ -207,6 +221,7 @@ def pad_across_processes(
     return tree_map_tensors(one, tree)
 
 
+@tracked("gather_for_metrics", lambda tree, remainder=None: tree_signature(tree) if _has_tensors(tree) else "")
 def gather_for_metrics(state: DistributedState, tree: Any, remainder: Optional[int]) -> Any:
     """Gather predictions/labels for metrics and drop the duplicated samples that even
     sharding appended to the last global batch.

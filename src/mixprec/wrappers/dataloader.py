@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..distributed import watchdog
 from ..utils import send_to_device
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ class PreparedDataLoader(torch.utils.data.DataLoader):
         state.end_of_dataloader = False
         state.active_dataloaders += 1
         state.dataloader_stack.append(self)
+        wd = watchdog._ACTIVE[0]  # records how far this pass got ([Note: desync detection])
+        if wd is not None:
+            wd.loader_start()
         try:
             it = self._batches()
             try:
@@ -60,8 +64,14 @@ class PreparedDataLoader(torch.utils.data.DataLoader):
                 except StopIteration:
                     state.end_of_dataloader = True
                     state.remainder = self._remainder()
+                    if wd is not None:
+                        wd.batches += 1
                     yield self._place(current)
+                    if wd is not None:
+                        wd.loader_end()
                     return
+                if wd is not None:
+                    wd.batches += 1
                 yield self._place(current)
                 current = upcoming
         finally:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from ..distributed.watchdog import tracked
 from ..step import StepResult
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self._gradient_state.sync_gradients:
             self._engine.zero_grad(self._state, set_to_none)
 
+    @tracked("optimizer.step")
     def step(self, closure=None) -> StepResult:
         """Apply one update (or report why none was applied)."""
         if not self._gradient_state.sync_gradients:

@@ -1,0 +1,112 @@
+"""One fault of tests/distributed/test_desync.py, run on every rank of a 2-process job
+(started by the test with RANK/WORLD_SIZE/MASTER_* set, or by `mixprec launch`).
+
+Usage: python _desync_script.py CASE TIMEOUT_S
+
+Prints "RESULT rank=<r> kind=<error|none> elapsed=<s>" then the error message, then
+"END". Lines the tests look for carry a "# MARK:<name>" comment.
+"""
+
+import datetime
+import sys
+import time
+
+import torch
+
+from mixprec import Accelerator, CollectiveDesyncError
+
+case, timeout = sys.argv[1], float(sys.argv[2])
+backend = {"state_dict": "zero2", "clip": "zero3"}.get(case, "ddp")
+# stuck_gloo: the process group's own timeout is the short one (desync detection at 60 s).
+short_pg = case == "stuck_gloo"
+acc = Accelerator(cpu=True, log_policy=False, backend=backend,
+                  config={"collective_timeout": 60 if short_pg else timeout},
+                  even_batches=False if case.startswith("uneven") else None,
+                  timeout=datetime.timedelta(seconds=timeout if short_pg else 1800))
+rank = acc.process_index
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+
+
+def step():
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    acc.backward(loss)  # MARK:backward
+    opt.step()  # MARK:step
+    opt.zero_grad()
+
+
+step()
+start = time.monotonic()
+print(f"FAULT_AT {time.time():.3f}", flush=True)  # the tests time detection from here
+
+
+def report(kind, msg=""):
+    print(f"RESULT rank={rank} kind={kind} elapsed={time.monotonic() - start:.2f}\n{msg}\nEND", flush=True)
+
+
+try:
+    if case == "state_dict":
+        if rank == 0:
+            acc.get_state_dict(model)  # MARK:state_dict
+        step()
+    elif case == "gather":
+        if rank == 0:
+            acc.gather(torch.ones(3))  # MARK:gather
+        step()
+    elif case == "wait":
+        if rank == 0:
+            acc.wait_for_everyone()  # MARK:wait
+        step()
+    elif case == "clip":
+        acc.backward(model(torch.randn(4, 8)).pow(2).mean())
+        if rank == 0:
+            acc.clip_grad_norm_(model.parameters(), 1.0)  # MARK:clip
+        opt.step()  # MARK:clip_step
+    elif case == "different":
+        if rank == 0:
+            acc.gather(torch.ones(3))  # MARK:diff0
+        else:
+            acc.reduce(torch.ones(3))  # MARK:diff1
+    elif case in ("stuck", "stuck_gloo"):
+        if rank == 1:
+            while True:
+                time.sleep(0.05)  # MARK:stuck
+        step()
+    elif case == "reduce":
+        if rank == 0:
+            acc.reduce(torch.ones(3))  # MARK:reduce
+        step()
+    elif case == "shapes":
+        acc.gather(torch.ones(4 + rank, 3))  # MARK:shapes
+    elif case.startswith("uneven"):
+        data = torch.utils.data.TensorDataset(torch.randn(5, 8))
+        loader = acc.prepare(torch.utils.data.DataLoader(data, batch_size=1))
+        for (x,) in loader:
+            loss = model(x).pow(2).mean()
+            acc.backward(loss)  # MARK:uneven_backward
+            opt.step()
+            opt.zero_grad()
+        if case == "uneven_wait":
+            acc.wait_for_everyone()  # MARK:uneven_wait
+    elif case == "main_first":
+        with acc.main_process_first():  # MARK:main_first
+            if rank == 0:
+                time.sleep(2.5 * timeout)  # longer than the timeout: legitimate
+        step()
+        print(f"main_first ok rank={rank}", flush=True)
+    elif case == "slow_step":
+        x = torch.randn(4, 8, requires_grad=True)
+        out = model(x)
+        out.register_hook(lambda g: time.sleep(2 * timeout) or g)  # slow on every rank
+        acc.backward(out.pow(2).mean())
+        opt.step()
+        print(f"slow_step ok rank={rank}", flush=True)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+except CollectiveDesyncError as e:
+    report("error", str(e))
+    sys.exit(3)
+report("none")
+acc.end_training()

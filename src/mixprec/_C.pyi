@@ -71,12 +71,16 @@ def fused_adam_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    step: float,
+    step: float = 0.0,
     decoupled: bool,
     maximize: bool,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
-) -> None: ...
+    steps: list[Tensor] = ...,
+) -> None:
+    """One Adam/AdamW step; ``step`` is the incremented count, or ``steps`` gives one fp32
+    1-element counter per param that the op increments itself unless ``found_inf`` is set
+    ([Note: device step counters] in mixprec/kernels.py)."""
 def fused_sgd_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -138,7 +142,10 @@ class ShardOptions:
         collective: str = "auto",
         group_name: str,
         max_inflight_buckets: int = 2,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None: ...
+    @property
+    def reduce_dtype(self) -> torch.dtype: ...
     @property
     def reduce_in_backward(self) -> bool: ...
     @property

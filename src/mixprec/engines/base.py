@@ -282,23 +282,22 @@ class Engine:
                 )
         if closure is not None:
             # The gradients are computed inside optimizer.step(): nothing to check before it.
-            self._apply_update(optimizer, closure, None)
+            self._apply_update(optimizer, closure, None, fused=False)
             result = StepResult(True, "ok", None, None)
             self._end_step(state, result)
             return result
         self.unscale_(state)
         skip_reason = "overflow" if self.scaler is not None else "nonfinite"
-        on_host = (self.scaler is None and self.nonfinite_grads == "raise") or not (
-            self._fused_eligible(optimizer))
-        if on_host:
-            result = self._step_decided_on_host(state, skip_reason)
+        fused = self._fused_eligible(optimizer)  # checked once per step
+        if not fused or (self.scaler is None and self.nonfinite_grads == "raise"):
+            result = self._step_decided_on_host(state, skip_reason, fused)
         else:
             values = DeviceScalars({
                 "found_inf": self.found_inf,
                 "loss_scale": None if self.scaler is None else self.scaler.scale,
                 "grad_norm": state.grad_norm,
             })
-            self._apply_update(optimizer, None, self.found_inf)
+            self._apply_update(optimizer, None, self.found_inf, fused=True)
             state.count_skip(self.found_inf)
             result = StepResult.deferred(values, skip_reason)
         self._unlogged.append((state, state.steps, result))
@@ -315,14 +314,14 @@ class Engine:
             )
         return result
 
-    def _step_decided_on_host(self, state: OptimizerState, skip_reason: str) -> StepResult:
+    def _step_decided_on_host(self, state: OptimizerState, skip_reason: str, fused: bool) -> StepResult:
         """The step when the host must know the outcome first (one read of found_inf)."""
         loss_scale = self.scaler.scale_value() if self.scaler is not None else None
         norm = None if state.grad_norm is None else float(state.grad_norm)
         if bool(self.found_inf.item()):
             state.count_skip(None)
             return StepResult(False, skip_reason, loss_scale, norm)
-        self._apply_update(state.optimizer, None, None)
+        self._apply_update(state.optimizer, None, None, fused=fused)
         return StepResult(True, "ok", loss_scale, norm)
 
     def _log_skips(self) -> None:
@@ -359,9 +358,10 @@ class Engine:
             # of them at once): cleared when the last of them has stepped.
             self.precision.clear_nonfinite()
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf) -> None:
-        """The update, skipped on the device when ``found_inf`` is set (fused kernels)."""
-        if closure is None and self._fused_eligible(optimizer):
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool) -> None:
+        """The update, skipped on the device when ``found_inf`` is set (fused kernels);
+        ``fused``: the step already found the optimizer eligible for them."""
+        if closure is None and fused:
             if kernels.fused_optimizer_step(optimizer, lowp_of=self.lowp_of, found_inf=found_inf):
                 # LRScheduler watches optimizer.step() through this flag to warn about
                 # calling scheduler.step() first; the fused path did step.

@@ -390,9 +390,9 @@ class ZeroEngine(Engine):
             self._found_inf_agreed = False
             self._folded = False
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf) -> None:
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool) -> None:
         refresh = True
-        if self._fused_eligible(optimizer) and kernels.fused_optimizer_step(
+        if fused and kernels.fused_optimizer_step(
                 optimizer, lowp_of=self.segment_lowp, found_inf=found_inf):
             optimizer._opt_called = True  # the LRScheduler order check watches this flag
             refresh = False  # the fused kernel already wrote the low-precision shards

@@ -16,6 +16,10 @@ void init_kernels(py::module_& m) {
         py::arg("inv_scale"), nogil,
         "Multiply every tensor in place by inv_scale; set found_inf to 1.0 if any "
         "element was inf/nan. Same results as torch._amp_foreach_non_finite_check_and_unscale_.");
+  m.def("scale_copy_and_check_", &k::scale_copy_and_check_, py::arg("dsts"), py::arg("srcs"),
+        py::arg("found_inf"), py::arg("scale"), nogil,
+        "dsts[i] = srcs[i] * scale (same dtypes, in place allowed) in one pass; set found_inf "
+        "to 1.0 if any source element was inf/nan.");
   m.def("l2_norm", &k::l2_norm, py::arg("tensors"), py::arg("found_inf") = py::none(), nogil,
         "Global L2 norm of all elements (fp32 0-dim tensor, fp32 accumulation per chunk); "
         "sets found_inf to 1.0 when the norm is not finite.");

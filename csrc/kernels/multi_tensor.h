@@ -49,6 +49,12 @@ void fused_sgd_(const TensorVec& params, const TensorVec& grads, const TensorVec
                 const OptTensor& found_inf);
 
 void copy_cast_(const TensorVec& dsts, const TensorVec& srcs);
+// dsts[i] = srcs[i] * scale (same dtypes; dsts[i] may be srcs[i]), setting found_inf to
+// 1.0 when a source element is inf/nan: a copy with the scale and the non-finite check
+// in its one pass (the ddp Reducer's copy into its buckets, [Note: non-finite check in
+// the copy-in] in engines/replicated/reducer.h).
+void scale_copy_and_check_(const TensorVec& dsts, const TensorVec& srcs,
+                           const at::Tensor& found_inf, const at::Tensor& scale);
 void flat_copy_in_(const at::Tensor& flat, const TensorVec& srcs);
 void flat_copy_out_(const TensorVec& dsts, const at::Tensor& flat);
 

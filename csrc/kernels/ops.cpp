@@ -237,6 +237,41 @@ void fused_sgd_(const TensorVec& params, const TensorVec& grads, const TensorVec
   bump_versions({&params, &momentum_buffers, &lowp_params});
 }
 
+void scale_copy_and_check_(const TensorVec& dsts, const TensorVec& srcs,
+                           const at::Tensor& found_inf, const at::Tensor& scale) {
+  constexpr const char* op = "scale_copy_and_check_";
+  check_same_sizes(op, "dsts", dsts, "srcs", srcs);
+  if (dsts.empty()) return;
+  const auto device = list_device(dsts);
+  check_list(op, "dsts", dsts, device, Dtypes::kFloating);
+  check_list(op, "srcs", srcs, device, Dtypes::kFloating);
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    TORCH_CHECK_VALUE(dsts[i].scalar_type() == srcs[i].scalar_type(), "mixprec.", op,
+                      ": dsts[", i, "] is ", dsts[i].scalar_type(), " but srcs[", i, "] is ",
+                      srcs[i].scalar_type(), "; give the same dtype (use copy_cast_ to cast)");
+  }
+  check_scalar_tensor(op, "found_inf", found_inf, device);
+  check_scalar_tensor(op, "scale", scale, device);
+  on_device(
+      op, device,
+      [&] {
+        if (cpu::scale_copy_check(dsts, srcs, cpu_scalar(scale))) {
+          *static_cast<float*>(found_inf.data_ptr()) = 1.0f;
+        }
+      },
+      [&](void* stream) {
+#if MIXPREC_WITH_CUDA
+        // Two passes on CUDA (copy, then the in-place unscale kernel, which checks the
+        // copied source values before scaling): same results as the CPU's one pass.
+        for (size_t i = 0; i < dsts.size(); ++i) {
+          if (!dsts[i].is_same(srcs[i])) dsts[i].copy_(srcs[i]);
+        }
+        cuda::unscale_and_check(dsts, found_inf, scale, stream);
+#endif
+      });
+  bump_versions({&dsts});
+}
+
 void copy_cast_(const TensorVec& dsts, const TensorVec& srcs) {
   constexpr const char* op = "copy_cast_";
   check_same_sizes(op, "dsts", dsts, "srcs", srcs);

@@ -141,6 +141,9 @@ class Accelerator(AccelerateApi):
         nonfinite_grads: bf16/fp32: ``"skip"`` (default) skips a step whose gradients hold
             inf/nan on any rank (reason ``'nonfinite'``); ``"raise"`` raises
             :class:`mixprec.NonFiniteGradientsError` naming the step.
+        clip_in_step: ``clip_grad_norm_`` computes the norm in one read and the fused
+            update applies the clip (default True; the gradients keep their unclipped
+            values until ``step()``). False clips in place at once, as torch does.
 
     Accelerate's options (keyword-only here; docs/migrating.md):
 
@@ -185,6 +188,7 @@ class Accelerator(AccelerateApi):
         data_seed: Optional[int] = None,
         gradient_clipping: Optional[float] = None,
         nonfinite_grads: Optional[str] = None,
+        clip_in_step: Optional[bool] = None,
         max_consecutive_overflows: Union[int, None, _NotGiven] = NOT_GIVEN,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         project_dir: Optional[str] = None,
@@ -204,6 +208,7 @@ class Accelerator(AccelerateApi):
             "step_scheduler_with_optimizer": step_scheduler_with_optimizer, "log_policy": log_policy,
             "split_batches": split_batches, "even_batches": even_batches, "data_seed": data_seed,
             "gradient_clipping": gradient_clipping, "nonfinite_grads": nonfinite_grads,
+            "clip_in_step": clip_in_step,
         }
         compat = translate_accelerate_options(
             given, dataloader_config=dataloader_config, gradient_accumulation_plugin=gradient_accumulation_plugin,
@@ -269,6 +274,7 @@ class Accelerator(AccelerateApi):
             raise
         self._engine_args = (engine_cls, cfg.fused_optimizer, options)  # free_memory() builds anew
         self.engine.set_nonfinite_policy(cfg.nonfinite_grads)
+        self.engine.clip_in_step = cfg.clip_in_step
         # Accelerate's attribute names over the same DistributedState (compat/state.py).
         self.state = AcceleratorState.from_state(self.state, mixed_precision=self.policy.name,
                                                  backend_name=engine_cls.name)
@@ -313,6 +319,7 @@ class Accelerator(AccelerateApi):
         old.release()
         self.engine = engine_cls(self.policy, self.device, fused_optimizer=fused, **options)
         self.engine.set_nonfinite_policy(old.nonfinite_grads)
+        self.engine.clip_in_step = old.clip_in_step
         self.gradient_state.step, self.gradient_state.sync_gradients = 0, True
 
     # ------------------------------------------------------------------ info

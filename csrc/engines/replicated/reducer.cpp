@@ -1,7 +1,9 @@
 #include "engines/replicated/reducer.h"
 
 #include "comm/process_group.h"
+#include "kernels/multi_tensor.h"
 
+#include <ATen/ops/full.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
@@ -119,7 +121,11 @@ void Reducer::build_buckets() {
       slots_[i].offset = numel;
       numel += slots_[i].target.numel();
     }
-    bucket.storage = at::zeros({numel}, first.target.options().dtype(dtype));
+    bucket.grad_numel = numel;
+    // [Note: non-finite check in the copy-in]: one more element in the last bucket.
+    const bool flag_here = options_.check_nonfinite && b + 1 == closed.size();
+    bucket.storage = at::zeros({numel + (flag_here ? 1 : 0)}, first.target.options().dtype(dtype));
+    if (flag_here) flag_index_ = numel;
     bucket.grad_is_view = true;
     for (auto i : bucket.slots) {
       auto& s = slots_[i];
@@ -127,6 +133,15 @@ void Reducer::build_buckets() {
       bucket.grad_is_view = bucket.grad_is_view && s.target.scalar_type() == dtype;
     }
     bucket.pending = bucket.slots.size();
+  }
+  check_active_ = options_.check_nonfinite && !buckets_.empty() &&
+                  std::all_of(buckets_.begin(), buckets_.end(),
+                              [](const Bucket& b) { return b.grad_is_view; });
+  if (check_active_) {
+    const auto f32 = buckets_.back().storage.options().dtype(at::kFloat);
+    local_flag_ = at::zeros({1}, f32);
+    agreed_flag_ = at::zeros({1}, f32);
+    inv_world_ = at::full({1}, 1.0 / static_cast<double>(world_size_), f32);
   }
   // Gradients that already exist (a backward before prepare) move into the buckets.
   for (auto& bucket : buckets_) {
@@ -183,9 +198,23 @@ void Reducer::on_grad_ready(size_t index) {
   if (!callback_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
     callback_queued_ = true;
+    if (check_active_) local_flag_.zero_();  // a new synchronising backward starts
   }
   // [Note: gradients are views into buckets]: the 1/N is applied here, fused into the
   // copy when the gradient is not yet the bucket view.
+  if (check_active_) {
+    // [Note: non-finite check in the copy-in]: the same pass, with the check. (Every
+    // bucket holds views, so the gradient has the bucket's dtype; a non-contiguous one
+    // is copied in first and then scaled and checked in place.)
+    if (!target_grad.is_contiguous()) {
+      s.view.copy_(target_grad);
+      target_grad = s.view;
+    }
+    kernels::scale_copy_and_check_({s.view}, {target_grad}, local_flag_, inv_world_);
+    target_grad = s.view;
+    mark_ready_locked(index);
+    return;
+  }
   const double inv = 1.0 / static_cast<double>(world_size_);
   if (bucket.grad_is_view && same_tensor(target_grad, s.view)) {
     s.view.mul_(inv);
@@ -208,11 +237,15 @@ void Reducer::mark_ready_locked(size_t index) {
 void Reducer::launch_ready_locked() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     auto& bucket = buckets_[next_launch_];
+    if (check_active_ && next_launch_ + 1 == buckets_.size()) {
+      // [Note: non-finite check in the copy-in]: every gradient is checked by now.
+      bucket.storage.narrow(0, flag_index_, 1).copy_(local_flag_);
+    }
     std::vector<at::Tensor> tensors{bucket.storage};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;  // never AVG: see ARCHITECTURE.md decision 2
     bucket.work = group_->allreduce(tensors, opts);
-    bytes_running_ += static_cast<int64_t>(bucket.storage.nbytes());
+    bytes_running_ += bucket.grad_numel * static_cast<int64_t>(bucket.storage.element_size());
     ++next_launch_;
   }
 }
@@ -273,8 +306,19 @@ void Reducer::finalize() {
       }
     }
   }
+  if (check_active_) {
+    agreed_flag_.copy_(buckets_.back().storage.narrow(0, flag_index_, 1));
+    checked_ = true;
+  }
   bytes_last_ = bytes_running_;
   reset_locked();
+}
+
+std::optional<at::Tensor> Reducer::take_nonfinite_check() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!checked_) return std::nullopt;
+  checked_ = false;
+  return agreed_flag_;
 }
 
 void Reducer::reset_locked() {

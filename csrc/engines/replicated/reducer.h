@@ -18,6 +18,20 @@
 // dtype differs (e.g. bf16 reduction of fp32 grads), the bucket is a separate
 // buffer and the reduced values are copied back at the end of backward.
 //
+// [Note: non-finite check in the copy-in]
+// With check_nonfinite (bf16/fp32 policies: the engine's non-finite guard, see [Note:
+// non-finite guard] in src/mixprec/engines/base.py), the pass that applies 1/N to a
+// gradient (in place, or fused into its copy into the bucket) also checks it for inf/nan
+// (kernels::scale_copy_and_check_), so the optimizer step needs no pass of its own. The
+// flag is agreed without a collective of its own: the last bucket has one extra element
+// that receives this rank's flag just before that bucket's all-reduce is launched (every
+// other gradient has been checked by then: a bucket launches only after every earlier
+// one), and the SUM makes it the number of ranks that saw inf/nan. The check is on the
+// values each rank contributes (each already times 1/N, so their sum cannot overflow);
+// it is active only when every bucket holds its gradients as views (no reduce-dtype cast,
+// whose rounding to a narrower type it would not see): otherwise the engine checks the
+// reduced gradients itself, as before.
+//
 // [Note: low-precision parameters]
 // A bf16/fp16 parameter with an fp32 master: its gradient is folded into the
 // master's fp32 gradient by the hook on every backward (so accumulation across
@@ -30,6 +44,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +56,7 @@ struct ReducerOptions {
   // Reduce dtype; Undefined means "the gradient's own dtype".
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
   bool find_unused_parameters = false;
+  bool check_nonfinite = false;  // [Note: non-finite check in the copy-in]
 };
 
 class Reducer {
@@ -64,6 +80,12 @@ class Reducer {
   int64_t bytes_reduced_last_backward() const { return bytes_last_; }
   int64_t world_size() const { return world_size_; }
 
+  // [Note: non-finite check in the copy-in]: the agreed flag of the last synchronising
+  // backward (1 element, > 0 when some rank saw inf/nan), once: a second call, or a call
+  // after no checked backward, returns nothing (the caller then checks by itself).
+  std::optional<at::Tensor> take_nonfinite_check();
+  bool checks_nonfinite() const { return check_active_; }
+
  private:
   struct Slot {
     at::Tensor param;   // hooked leaf parameter
@@ -76,7 +98,8 @@ class Reducer {
     at::Tensor view;     // view of the bucket for this slot, shaped like target
   };
   struct Bucket {
-    at::Tensor storage;         // flat, reduce dtype
+    at::Tensor storage;         // flat, reduce dtype (+1 flag element: last bucket, see above)
+    int64_t grad_numel = 0;     // gradient elements in storage
     std::vector<size_t> slots;  // indices into slots_
     size_t pending = 0;         // slots not ready yet in this backward
     bool grad_is_view = false;  // target grads are views of storage
@@ -101,6 +124,13 @@ class Reducer {
   size_t next_launch_ = 0;
   int64_t bytes_last_ = 0;
   int64_t bytes_running_ = 0;
+  // [Note: non-finite check in the copy-in]
+  bool check_active_ = false;  // check_nonfinite asked and every bucket holds views
+  bool checked_ = false;       // agreed_flag_ is fresh (a checked backward finished)
+  at::Tensor local_flag_;      // this rank's flag in the current backward (fp32, 1 element)
+  at::Tensor agreed_flag_;     // after finalize: the sum of every rank's flag
+  at::Tensor inv_world_;       // 1/N as an fp32 1-element tensor on the device
+  int64_t flag_index_ = 0;     // the flag's element in the last bucket's storage
   std::mutex mutex_;
 };
 

@@ -3,6 +3,8 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/launcher.h"
 
+#include <algorithm>
+
 namespace mixprec::kernels::cpu {
 namespace {
 
@@ -14,6 +16,15 @@ void run(const Plan<2>& plan) {
 }  // namespace
 
 void copy_cast(const TensorVec& dsts, const TensorVec& srcs) { run(make_plan<2>({&dsts, &srcs})); }
+
+bool scale_copy_check(const TensorVec& dsts, const TensorVec& srcs, float scale) {
+  const auto plan = make_plan<2>({&dsts, &srcs});
+  std::vector<uint8_t> found(plan.items.size(), 0);  // one flag per item: no shared writes
+  const ScaleCopyItemsFn items = item_fns().scale_copy;
+  parallel_items(plan.items, plan.total,
+                 [&](int64_t b, int64_t e) { items(plan, b, e, scale, found.data()); });
+  return std::any_of(found.begin(), found.end(), [](uint8_t f) { return f != 0; });
+}
 
 void flat_copy(const at::Tensor& flat, const TensorVec& tensors, bool into_flat) {
   const TensorVec none;

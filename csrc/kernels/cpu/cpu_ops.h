@@ -22,6 +22,9 @@ void sgd(const TensorVec& params, const TensorVec& grads, const TensorVec& momen
          const TensorVec& lowp_params, const SgdOptions& opt, bool has_inv_scale, float inv_scale);
 
 void copy_cast(const TensorVec& dsts, const TensorVec& srcs);
+// dsts[i] = srcs[i] * scale (same dtype; dsts[i] may be srcs[i]); true when any source
+// element was inf/nan.
+bool scale_copy_check(const TensorVec& dsts, const TensorVec& srcs, float scale);
 // into_flat: tensors -> flat (packed back to back); otherwise flat -> tensors.
 void flat_copy(const at::Tensor& flat, const TensorVec& tensors, bool into_flat);
 

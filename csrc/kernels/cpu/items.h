@@ -60,6 +60,7 @@ using SgdItemsFn = void (*)(const Plan<4>&, int64_t, int64_t, const SgdScalars&)
 using UnscaleItemsFn = void (*)(const Plan<1>&, int64_t, int64_t, float, uint8_t*);
 using SumsqItemsFn = void (*)(const Plan<1>&, int64_t, int64_t, float*);
 using CopyItemsFn = void (*)(const Plan<2>&, int64_t, int64_t);  // slot 0 dst, slot 1 src
+using ScaleCopyItemsFn = void (*)(const Plan<2>&, int64_t, int64_t, float, uint8_t*);
 
 #define MIXPREC_DECLARE_CPU_ITEMS(CAP)                                              \
   namespace CAP {                                                                   \
@@ -69,6 +70,8 @@ using CopyItemsFn = void (*)(const Plan<2>&, int64_t, int64_t);  // slot 0 dst, 
                      uint8_t* found);                                               \
   void sumsq_items(const Plan<1>& plan, int64_t b, int64_t e, float* partial);      \
   void copy_items(const Plan<2>& plan, int64_t b, int64_t e);                       \
+  void scale_copy_items(const Plan<2>& plan, int64_t b, int64_t e, float scale,     \
+                        uint8_t* found);                                            \
   }
 
 MIXPREC_DECLARE_CPU_ITEMS(DEFAULT)
@@ -86,6 +89,7 @@ struct ItemFns {
   UnscaleItemsFn unscale;
   SumsqItemsFn sumsq;
   CopyItemsFn copy;
+  ScaleCopyItemsFn scale_copy;
 };
 
 // The copy for this CPU (chosen on first call; see [Note: CPU capabilities]).

@@ -26,7 +26,8 @@ std::vector<WorkItem> make_items(const std::vector<int64_t>& numels, int64_t* to
 namespace {
 
 #define MIXPREC_ITEM_FNS(CAP) \
-  ItemFns { #CAP, &CAP::adam_items, &CAP::sgd_items, &CAP::unscale_items, &CAP::sumsq_items, &CAP::copy_items }
+  ItemFns { #CAP, &CAP::adam_items, &CAP::sgd_items, &CAP::unscale_items, &CAP::sumsq_items, &CAP::copy_items, \
+         &CAP::scale_copy_items }
 
 enum class Cap { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
 

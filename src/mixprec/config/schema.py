@@ -208,6 +208,15 @@ class MixprecConfig:
     ``accelerator.skipped_steps`` and logs a warning. ``raise``: every rank raises
     :class:`mixprec.NonFiniteGradientsError` naming the step, nothing updated. fp16 keeps
     its loss-scaler logic (``overflow``, see ``max_consecutive_overflows``)."""
+    clip_in_step: bool = True
+    """``clip_grad_norm_`` reads the gradients once (the norm, with the inf/nan check and,
+    under fp16, the unscale folded in) and the fused optimizer update applies the clip in
+    the pass that reads them anyway: two passes over the gradients fewer than torch's
+    ``unscale_`` + ``clip_grad_norm_``, same weights. Until ``step()`` the gradients then
+    hold their unclipped (fp16: still scaled) values; mixprec's own readers
+    (``unscale_gradients``, ``clip_grad_value_``) apply the clip first. false: clip (and
+    unscale) in place at once, as torch does, for loops that read ``p.grad`` between clip
+    and step."""
     collective_timeout: Optional[float] = checked(
         30.0, lambda v: v is None or _positive(v), "null or a number > 0 (seconds)")
     """Collective desync detection: a rank inside one collective call (``gather``,

@@ -37,6 +37,9 @@ class OptimizerState:
         self.optimizer = optimizer  # the user's optimizer; its param_groups hold masters
         self.unscaled = False  # grads already unscaled (and checked) this step
         self.grad_norm: Optional[torch.Tensor] = None  # set by clip_grad_norm_ this step
+        # [Note: clip inside the update] the factor the update still owes the gradients
+        # (fp16 1/scale times the clip coefficient, a device scalar), or None.
+        self.grad_scale: Optional[torch.Tensor] = None
         self.last: Optional[StepResult] = None  # outcome of the last real step
         self.steps = 0  # real step() calls so far (the number an error or warning names)
         self._skipped_host = 0  # skips decided on the host
@@ -53,6 +56,12 @@ class OptimizerState:
     def skipped(self, value: int) -> None:
         self._skipped_host = int(value)
         self._skipped_device = None
+
+    def forget_grads(self) -> None:
+        """The gradients were zeroed: nothing checked, clipped or owed for them any more."""
+        self.unscaled = False
+        self.grad_norm = None
+        self.grad_scale = None
 
     def count_skip(self, found_inf: Optional[torch.Tensor]) -> None:
         """Add this step to the skip count: on the host (None) or as a device sum."""
@@ -84,6 +93,9 @@ class Engine:
         self.policy = policy  # resolved precision policy
         self.device = device  # where parameters and gradients live
         self.fused_optimizer = fused_optimizer  # use the C++ fused Adam/AdamW/SGD when eligible
+        # config clip_in_step: clip_grad_norm_ leaves the multiply to the fused update
+        # ([Note: clip inside the update]).
+        self.clip_in_step = True
         self.precision = Precision(policy, device)  # [Note: precision layer] in precision.py
         self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
         # Step results whose skips are not logged yet (see Engine._log_skips).
@@ -196,6 +208,18 @@ class Engine:
         # is skipped by the fused kernels on the device (by the host for other
         # optimizers), so weights, fp32 masters and optimizer state stay bitwise unchanged.
         self._unscale_local(state)
+        self._materialize(state)
+
+    def _materialize(self, state: OptimizerState) -> None:
+        """Apply a clip left to the update ([Note: clip inside the update]) to the gradients
+        in place: for a caller that reads them, or an update that is not fused."""
+        if state.grad_scale is None:
+            return
+        grads = self._grads(state.optimizer)
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, state.grad_scale.to(grads[0].device))
+        state.grad_scale = None
 
     def _unscale_local(self, state: OptimizerState) -> None:
         """This rank's unscale + check of ``state``'s gradients, without any agreement."""
@@ -213,10 +237,16 @@ class Engine:
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
         max_norm = check_clip_limit("max_norm", max_norm)
-        for state in self.optimizers.values():
-            self.unscale_(state)
         self.fold_grads()
         grads = [g for p in parameters if (g := self.grad_of(p)) is not None]
+        if self._clip_deferrable(grads, norm_type):
+            # [Note: clip inside the update] one read of the gradients: the norm, with the
+            # non-finite check folded in (a non-finite norm is a non-finite gradient).
+            unscaled = next(iter(self.optimizers.values())).unscaled
+            raw = kernels.l2_norm(grads, None if unscaled else self.found_inf)
+            return self._defer_clip(raw, max_norm, unscaled)
+        for state in self.optimizers.values():
+            self.unscale_(state)
         if not grads:
             total = torch.zeros((), device=self.device)
         elif float(norm_type) == 2.0:
@@ -225,6 +255,52 @@ class Engine:
             total = torch.nn.utils.get_total_norm(grads, norm_type)
         Precision.clip_(grads, total, max_norm)
         for state in self.optimizers.values():
+            state.grad_norm = total
+        return total
+
+    # [Note: clip inside the update]
+    # torch's loop reads the gradients four times before the update: GradScaler.unscale_
+    # (read + write), clip_grad_norm_'s norm (read) and its multiply (read + write). Here
+    # clip_grad_norm_ reads them once, for the norm, with the inf/nan check folded in (a
+    # non-finite gradient makes the norm non-finite; a norm that overflows fp32 counts as
+    # non-finite too, and skips the step where torch would step with zeroed gradients).
+    # fp16 takes the norm of the still-scaled gradients times 1/scale: the scale is a
+    # power of two, so this is exactly the norm of the unscaled gradients. The multiply
+    # the clip owes, 1/scale * min(1, max_norm / (norm + 1e-6)), is a device scalar handed
+    # to the fused update as its gradient factor, so the update applies unscale and clip
+    # in the pass that reads the gradients anyway: g * (1/s * c) == (g * 1/s) * c exactly,
+    # as 1/s is a power of two, so the weights are bitwise those of torch's loop. The cost:
+    # between clip_grad_norm_ and step() the gradients hold their unclipped (fp16: scaled)
+    # values. Anything that reads them through mixprec first applies the factor in place
+    # (unscale_gradients, clip_grad_value_, a second clip, a non-fused optimizer); a loop
+    # that reads p.grad itself sets clip_in_step: false to clip in place, as torch does.
+    # Used when every prepared optimizer is fused-eligible and the clipped gradients are
+    # exactly theirs (one factor fits all); otherwise the gradients are clipped in place.
+
+    def _clip_deferrable(self, grads: list[torch.Tensor], norm_type: float) -> bool:
+        states = list(self.optimizers.values())
+        if not (self.clip_in_step and grads and states and float(norm_type) == 2.0):
+            return False
+        if any(st.grad_scale is not None for st in states):
+            return False  # clipped twice in one step: the second clip reads clipped values
+        if len({st.unscaled for st in states}) != 1:
+            return False  # some gradients already unscaled in place, some not
+        if not all(self._fused_eligible(st.optimizer) for st in states):
+            return False
+        owned = {id(g) for st in states for g in self._grads(st.optimizer)}
+        return len(owned) == len(grads) and owned == {id(g) for g in grads}
+
+    def _defer_clip(self, raw: torch.Tensor, max_norm: float, unscaled: bool) -> torch.Tensor:
+        """Record the clip of [Note: clip inside the update] given the norm ``raw`` of the
+        gradients as they are (scaled unless ``unscaled``); returns the unscaled norm."""
+        inv = None if unscaled or self.scaler is None else self.scaler.inv_scale().reshape(())
+        total = raw if inv is None else raw * inv.to(raw.device)
+        factor = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+        if inv is not None:
+            factor = inv.to(factor.device) * factor
+        for state in self.optimizers.values():
+            state.unscaled = True  # checked now, unscaled by the update
+            state.grad_scale = factor
             state.grad_norm = total
         return total
 
@@ -286,9 +362,12 @@ class Engine:
             result = StepResult(True, "ok", None, None)
             self._end_step(state, result)
             return result
-        self.unscale_(state)
+        if state.grad_scale is None:
+            self.unscale_(state)
         skip_reason = "overflow" if self.scaler is not None else "nonfinite"
         fused = self._fused_eligible(optimizer)  # checked once per step
+        if not fused:
+            self._materialize(state)
         if not fused or (self.scaler is None and self.nonfinite_grads == "raise"):
             result = self._step_decided_on_host(state, skip_reason, fused)
         else:
@@ -297,7 +376,7 @@ class Engine:
                 "loss_scale": None if self.scaler is None else self.scaler.scale,
                 "grad_norm": state.grad_norm,
             })
-            self._apply_update(optimizer, None, self.found_inf, fused=True)
+            self._apply_update(optimizer, None, self.found_inf, fused=True, state=state)
             state.count_skip(self.found_inf)
             result = StepResult.deferred(values, skip_reason)
         self._unlogged.append((state, state.steps, result))
@@ -320,8 +399,9 @@ class Engine:
         norm = None if state.grad_norm is None else float(state.grad_norm)
         if bool(self.found_inf.item()):
             state.count_skip(None)
+            state.grad_scale = None  # the gradients are not used
             return StepResult(False, skip_reason, loss_scale, norm)
-        self._apply_update(state.optimizer, None, None, fused=fused)
+        self._apply_update(state.optimizer, None, None, fused=fused, state=state)
         return StepResult(True, "ok", loss_scale, norm)
 
     def _log_skips(self) -> None:
@@ -352,23 +432,30 @@ class Engine:
     def _end_step(self, state: OptimizerState, result: StepResult) -> None:
         state.unscaled = False
         state.grad_norm = None
+        state.grad_scale = None
         state.last = result
         if self.scaler is None and not any(s.unscaled for s in self.optimizers.values()):
             # The flag covers every optimizer checked this step (clip_grad_norm_ checks all
             # of them at once): cleared when the last of them has stepped.
             self.precision.clear_nonfinite()
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool) -> None:
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool,
+                      state: Optional[OptimizerState] = None) -> None:
         """The update, skipped on the device when ``found_inf`` is set (fused kernels);
-        ``fused``: the step already found the optimizer eligible for them."""
+        ``fused``: the step already found the optimizer eligible for them. ``state``'s
+        pending gradient factor ([Note: clip inside the update]) goes into the kernel."""
         if closure is None and fused:
-            if kernels.fused_optimizer_step(optimizer, lowp_of=self.lowp_of, found_inf=found_inf):
+            factor = None if state is None else state.grad_scale
+            if kernels.fused_optimizer_step(optimizer, lowp_of=self.lowp_of, inv_scale=factor,
+                                            found_inf=found_inf):
                 # LRScheduler watches optimizer.step() through this flag to warn about
                 # calling scheduler.step() first; the fused path did step.
                 optimizer._opt_called = True
                 return
         if found_inf is not None and bool(found_inf.item()):
             return  # the fused kernels declined this state layout: decided on the host
+        if state is not None:
+            self._materialize(state)
         optimizer.step(closure)
         self.write_back(optimizer)
 
@@ -387,6 +474,7 @@ class Engine:
 
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
         state.optimizer.zero_grad(set_to_none=set_to_none)
+        state.forget_grads()
         for group in state.optimizer.param_groups:
             for m in group["params"]:
                 p = self.lowp_of.get(id(m))

@@ -13,7 +13,7 @@ from .. import _C
 from ..distributed.structure import check_same_model
 from ..policy import PrecisionPolicy
 from ..wrappers.model import AutocastGate
-from .base import Engine
+from .base import Engine, OptimizerState
 from .precision import sync_buffers
 
 
@@ -58,9 +58,15 @@ class DDPEngine(Engine):
             first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20),
             reduce_dtype=policy.reduce_dtype,
             find_unused_parameters=find_unused_parameters,
+            # bf16/fp32: the copy into the buckets is the non-finite guard's pass ([Note:
+            # non-finite check in the copy-in], csrc/engines/replicated/reducer.h); fp16
+            # checks in the scaler's unscale.
+            check_nonfinite=not policy.loss_scaling,
         )
         self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward
         self.reducers: dict[int, _C.Reducer] = {}  # id(model) -> its reducer
+        self._reduced: set[int] = set()  # id() of every tensor whose .grad a reducer fills
+        self._reducer_checked = False  # this iteration's reducer checks are in found_inf
 
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
         model.to(self.device)
@@ -80,12 +86,44 @@ class DDPEngine(Engine):
         if not params:
             raise ValueError(f"{type(model).__name__} has no trainable parameters to train with ddp")
         self.reducers[id(model)] = _C.Reducer(params, targets, names, self.group_name, self.reducer_options)
+        self._reduced.update(id(t) for t in targets)
         if self.broadcast_buffers and any(True for _ in model.buffers()):
             model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(model)
         return model
 
     def release(self) -> None:
         self.reducers.clear()  # their destructors remove the gradient hooks
+
+    def _unscale_local(self, state: OptimizerState) -> None:
+        # [Note: non-finite check in the copy-in] (csrc/engines/replicated/reducer.h): the
+        # Reducer checked every gradient it reduced, and agreed the flag, during backward.
+        if not state.unscaled and self.scaler is None and self._covered(state.optimizer) and (
+                self._reducer_checked or self._take_reducer_checks()):
+            state.unscaled = True  # checked; unscaling is x1
+            return
+        super()._unscale_local(state)
+
+    def _covered(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Every parameter of ``optimizer`` gets its gradient from a reducer."""
+        reduced = self._reduced
+        return all(id(p) in reduced for g in optimizer.param_groups for p in g["params"])
+
+    def _take_reducer_checks(self) -> bool:
+        """OR every reducer's fresh agreed flag into found_inf (on the device); False when
+        some reducer has none (its model had no synchronising backward since)."""
+        flags = [r.take_nonfinite_check() for r in self.reducers.values()]
+        if not flags or any(f is None for f in flags):
+            return False
+        found_inf = self.found_inf
+        for f in flags:
+            torch.maximum(found_inf, f.gt(0).to(found_inf.dtype), out=found_inf)
+        self._reducer_checked = True
+        return True
+
+    def _end_step(self, state: OptimizerState, result) -> None:
+        super()._end_step(state, result)
+        if not any(s.unscaled for s in self.optimizers.values()):
+            self._reducer_checked = False  # found_inf was cleared with it
 
     def _sync_buffers(self, model: nn.Module) -> None:
         sync_buffers(model, self.group_name)

@@ -345,15 +345,21 @@ class ZeroEngine(Engine):
                 "model.parameters() of all prepared models"
             )
         self.fold_grads()
-        for state in self.optimizers.values():
-            self._unscale_local(state)  # agreement rides on the norm's all-reduce below
         grads = self._all_segment_grads()
         p = float(norm_type)
+        # [Note: clip inside the update] (engines/base.py): the norm pass is the check.
+        deferred = self._clip_deferrable(grads, norm_type) if grads else False
+        unscaled = deferred and next(iter(self.optimizers.values())).unscaled
+        if not deferred:
+            for state in self.optimizers.values():
+                self._materialize(state)
+                self._unscale_local(state)  # agreement rides on the norm's all-reduce below
         if p == math.inf:
             local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
             op = dist.ReduceOp.MAX
         elif p == 2.0:
-            local = kernels.l2_norm(grads).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
+            found = self.found_inf if deferred and not unscaled else None
+            local = kernels.l2_norm(grads, found).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)
             op = dist.ReduceOp.SUM
         else:
             local = sum((g.double().abs() ** p).sum() for g in grads) if grads else torch.zeros((), dtype=torch.float64)
@@ -364,6 +370,8 @@ class ZeroEngine(Engine):
         self.found_inf.copy_(packet[1:2].gt(0))  # on the device: no host read
         self._found_inf_agreed = True
         total = (packet[0] if p == math.inf else packet[0] ** (1.0 / p)).float()
+        if deferred:
+            return self._defer_clip(total, max_norm, unscaled)
         Precision.clip_(grads, total, max_norm)
         for state in self.optimizers.values():
             state.grad_norm = total
@@ -390,15 +398,19 @@ class ZeroEngine(Engine):
             self._found_inf_agreed = False
             self._folded = False
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool) -> None:
+    def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool,
+                      state: Optional[OptimizerState] = None) -> None:
         refresh = True
+        factor = None if state is None else state.grad_scale
         if fused and kernels.fused_optimizer_step(
-                optimizer, lowp_of=self.segment_lowp, found_inf=found_inf):
+                optimizer, lowp_of=self.segment_lowp, inv_scale=factor, found_inf=found_inf):
             optimizer._opt_called = True  # the LRScheduler order check watches this flag
             refresh = False  # the fused kernel already wrote the low-precision shards
         elif found_inf is not None and bool(found_inf.item()):
             return  # declined by the fused kernels and skipped: decided on the host
         else:
+            if state is not None:
+                self._materialize(state)
             optimizer.step()
         # A skipped fused step left the shards unchanged: gathering them again rewrites
         # the same values, so the skip needs no host decision here either.
@@ -419,6 +431,7 @@ class ZeroEngine(Engine):
 
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
         state.optimizer.zero_grad(set_to_none=set_to_none)
+        state.forget_grads()
         for core in self.cores_of_opt[id(state.optimizer)]:
             core.zero_grad()
         self._folded = False

@@ -21,7 +21,41 @@ void copy_range(D* d, const S* s, int64_t n) {
   }
 }
 
+// dst = src * scale in fp32, one rounding (as at::mul_out with a float scalar); the
+// check is on the source value, as unscale_range's.
+template <class T>
+bool scale_copy_range(T* d, const T* s, int64_t n, const fVec& scale) {
+  fVec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const fVec x0 = load_full(s + i), x1 = load_full(s + i + kW);
+    acc0 = nonfinite_acc(acc0, x0);
+    acc1 = nonfinite_acc(acc1, x1);
+    store_full(d + i, x0 * scale);
+    store_full(d + i + kW, x1 * scale);
+  }
+  for (; i < n; i += kW) {
+    const int64_t w = std::min(kW, n - i);
+    const fVec x = load_f(s + i, w);
+    acc0 = nonfinite_acc(acc0, x);
+    store_f(d + i, x * scale, w);
+  }
+  return any_nonfinite(acc0 + acc1);
+}
+
 }  // namespace
+
+// Same dtype on both sides (the caller checks). In place (d == s) is allowed.
+void scale_copy_items(const Plan<2>& plan, int64_t b, int64_t e, float scale, uint8_t* found) {
+  const fVec f(scale);
+  for (int64_t k = b; k < e; ++k) {
+    const WorkItem& it = plan.items[k];
+    const auto& t = plan.slots[it.tensor];
+    MIXPREC_FLOAT_SWITCH(t[0].dtype, T, found[k] = scale_copy_range(
+        static_cast<T*>(t[0].ptr) + it.begin, static_cast<const T*>(t[1].ptr) + it.begin,
+        it.end - it.begin, f))
+  }
+}
 
 // Slot 0 is the destination, slot 1 the source.
 void copy_items(const Plan<2>& plan, int64_t b, int64_t e) {

@@ -98,6 +98,9 @@ def fused_sgd_(
     found_inf: Optional[Tensor] = None,
 ) -> None: ...
 def copy_cast_(dsts: list[Tensor], srcs: list[Tensor]) -> None: ...
+def scale_copy_and_check_(dsts: list[Tensor], srcs: list[Tensor], found_inf: Tensor, scale: Tensor) -> None:
+    """dsts[i] = srcs[i] * scale (same dtypes; in place allowed), setting found_inf to 1.0
+    when a source element is inf/nan, in one pass (the ddp Reducer's copy-in)."""
 def flat_copy_in_(flat: Tensor, srcs: list[Tensor]) -> None: ...
 def flat_copy_out_(dsts: list[Tensor], flat: Tensor) -> None: ...
 
@@ -112,7 +115,10 @@ class ReducerOptions:
         first_bucket_cap_bytes: int = 1048576,
         reduce_dtype: Optional[torch.dtype] = None,
         find_unused_parameters: bool = False,
-    ) -> None: ...
+        check_nonfinite: bool = False,
+    ) -> None:
+        """check_nonfinite: the copy into the buckets checks for inf/nan and agrees the
+        flag in the last bucket ([Note: non-finite check in the copy-in])."""
 
 class Reducer:
     def __init__(
@@ -130,6 +136,12 @@ class Reducer:
     def world_size(self) -> int: ...
     def bucket_indices(self) -> list[list[int]]: ...
     def bytes_reduced_last_backward(self) -> int: ...
+    @property
+    def checks_nonfinite(self) -> bool:
+        """check_nonfinite was asked and every bucket holds its gradients as views."""
+    def take_nonfinite_check(self) -> Optional[Tensor]:
+        """The agreed inf/nan flag of the last synchronising backward (1 element, the number
+        of ranks that saw one), once; None when there is none to take."""
 
 # ---- sharded engines (csrc/engines/sharded) --------------------------------
 class ShardOptions:

@@ -23,6 +23,7 @@ __all__ = [
     "fused_adam_",
     "fused_sgd_",
     "copy_cast_",
+    "scale_copy_and_check_",
     "flat_copy_in_",
     "flat_copy_out_",
     "supports_fused",
@@ -91,6 +92,13 @@ def fused_sgd_(
 def copy_cast_(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for every i in one pass (round to nearest-even)."""
     _C.copy_cast_(list(dsts), list(srcs))
+
+
+def scale_copy_and_check_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], found_inf: Tensor,
+                          scale: Tensor) -> None:
+    """``dsts[i] = srcs[i] * scale`` (same dtypes; in place allowed) in one pass, setting
+    ``found_inf`` to 1.0 when a source element is inf/nan (the ddp Reducer's copy-in)."""
+    _C.scale_copy_and_check_(list(dsts), list(srcs), found_inf, scale)
 
 
 def flat_copy_in_(flat: Tensor, srcs: Sequence[Tensor]) -> None:

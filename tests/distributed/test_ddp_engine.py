@@ -198,3 +198,71 @@ def test_bf16_gradient_reduction_halves_the_bytes():
         assert bf16_bytes * 2 == fp32_bytes
         assert dtypes == {__import__("torch").float32}  # reduced in bf16, handed back in fp32
         assert worst < 2**-7  # within bf16 rounding of the largest gradient element
+
+
+def _copy_in_check(state, where, reduce_bf16):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from mixprec import Accelerator, PrecisionPolicy, kernels
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    policy = PrecisionPolicy.from_mixed_precision(
+        "bf16", **({"reduce_dtype": torch.bfloat16} if reduce_bf16 else {}))
+    acc = Accelerator(policy=policy, backend="ddp", cpu=True, log_policy=False,
+                      engine_options={"first_bucket_cap_mb": 10e3 / 2**20, "bucket_cap_mb": 40e3 / 2**20})
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    reducer = acc.engine.reducers[id(model)]
+    params = list(model.parameters())
+    # The last layer's weight is reduced in the first bucket; the first layer's weight in
+    # the last one (the bucket that carries the flag).
+    target = params[-2] if where == "first_bucket" else params[0]
+    passes = []
+    real = kernels.unscale_and_check_
+    kernels.unscale_and_check_ = lambda *a: (passes.append(1), real(*a))[1]
+    outcomes, takes = [], []
+    try:
+        for i in range(4):
+            handle = None
+            if i == 1 and rank == 1:
+                handle = target.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf")))
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(10 * i + rank))
+            acc.backward(model(x).float().square().mean())
+            if handle is not None:
+                handle.remove()
+            if i == 3 and not reduce_bf16:
+                # Taken here, so the step finds none and checks the gradients itself.
+                takes.append((reducer.take_nonfinite_check().tolist(), reducer.take_nonfinite_check()))
+            r = opt.step()
+            opt.zero_grad()
+            outcomes.append((r.stepped, r.reason))
+    finally:
+        kernels.unscale_and_check_ = real
+    same = [torch.zeros_like(p) for p in (params[0], params[0])]
+    dist.all_gather(same, params[0].detach())
+    return reducer.checks_nonfinite, outcomes, takes, len(passes), torch.equal(same[0], same[1])
+
+
+@pytest.mark.parametrize("where", ["first_bucket", "last_bucket"])
+def test_copy_in_checks_and_agrees_the_nonfinite_flag(where):
+    # [Note: non-finite check in the copy-in]: inf on rank 1 only, in the bucket reduced
+    # first or in the one carrying the flag; every rank skips, and no step runs a pass of
+    # its own over the gradients.
+    for checks, outcomes, takes, passes, same in run_distributed(_copy_in_check, 2, args=(where, False)):
+        assert checks
+        assert outcomes == [(True, "ok"), (False, "nonfinite"), (True, "ok"), (True, "ok")]
+        assert takes == [([0.0], None)]  # a clean backward; a second take finds nothing
+        assert passes == 1  # only the step whose check was taken away
+        assert same
+
+
+def test_bf16_reduction_of_fp32_grads_checks_at_the_step():
+    # Buckets that cast cannot hold the gradients as views: the step checks them itself.
+    for checks, outcomes, _, passes, same in run_distributed(_copy_in_check, 2, args=("last_bucket", True)):
+        assert not checks
+        assert outcomes == [(True, "ok"), (False, "nonfinite"), (True, "ok"), (True, "ok")]
+        assert passes == 4
+        assert same

@@ -72,3 +72,35 @@ def test_copy_errors():
         K.flat_copy_out_([torch.empty(4, 4)[:, :2]], torch.empty(8))
     with pytest.raises(TypeError, match=r"srcs\[0\] has dtype Int"):
         K.copy_cast_([torch.empty(3)], [torch.zeros(3, dtype=torch.int32)])
+
+
+# ---- scale_copy_and_check_ (the ddp Reducer's copy into its buckets) -----------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_scale_copy_and_check_bitwise_equal_to_mul(dtype, in_place):
+    g = torch.Generator().manual_seed(0)
+    srcs = [torch.randn(n, generator=g).to(dtype) for n in (1, 7, 65536 + 3, 200_000)]
+    dsts = srcs if in_place else [torch.full_like(s, 7.0) for s in srcs]
+    ref = [s.mul(1.0 / 3) for s in srcs]  # at::mul with a Python float, as the Reducer did
+    found = torch.zeros(1)
+    K.scale_copy_and_check_(dsts, srcs, found, torch.tensor([1.0 / 3]))
+    assert found.item() == 0.0
+    assert all(torch.equal(d, r) for d, r in zip(dsts, ref))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_scale_copy_and_check_flags_nonfinite_anywhere(bad):
+    for where in (0, 5, 70_000, 199_999):
+        src = torch.randn(200_000)
+        src[where] = bad
+        dst = torch.empty_like(src)
+        found = torch.zeros(1)
+        K.scale_copy_and_check_([dst], [src], found, torch.tensor([0.5]))
+        assert found.item() == 1.0, where
+
+
+def test_scale_copy_and_check_refuses_mixed_dtypes():
+    with pytest.raises(ValueError, match="same dtype"):
+        K.scale_copy_and_check_([torch.zeros(4)], [torch.zeros(4, dtype=torch.bfloat16)],
+                                torch.zeros(1), torch.ones(1))

@@ -10,6 +10,7 @@ void init_precision(pybind11::module_& m);
 void init_kernels(pybind11::module_& m);
 void init_engines(pybind11::module_& m);
 void init_sharded(pybind11::module_& m);
+void init_step(pybind11::module_& m);
 
 
 }  // namespace mixprec::bindings

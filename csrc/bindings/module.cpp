@@ -28,5 +28,6 @@ PYBIND11_MODULE(_C, m) {
   mixprec::bindings::init_kernels(m);
   mixprec::bindings::init_engines(m);
   mixprec::bindings::init_sharded(m);
+  mixprec::bindings::init_step(m);
 
 }

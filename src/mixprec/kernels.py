@@ -198,7 +198,7 @@ def _lowps(lowp_of: Optional[Mapping[int, Tensor]], ps: list) -> list:
     return [get(id(p)) for p in ps]
 
 
-def _adam_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
+def _adam_groups(optimizer, lowp_of) -> Optional[list]:
     # [Note: device step counters]
     # Each param's "step" is an fp32 0-dim tensor on the param's device, as in torch's
     # fused Adam. The kernel increments it and derives the bias corrections from it, and
@@ -206,8 +206,9 @@ def _adam_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
     # default CPU-resident counters would force the host to know the outcome first.)
     groups = _with_grad(optimizer, ("exp_avg", "exp_avg_sq"))
     if groups is None:
-        return False
+        return None
     state = optimizer.state
+    out = []
     for group, ps in groups:
         if not ps:
             continue
@@ -231,19 +232,20 @@ def _adam_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
         lists = (ps, [p.grad.contiguous() for p in ps], [st["exp_avg"] for st in sts],
                  [st["exp_avg_sq"] for st in sts], lps, [st["step"] for st in sts])
         for (_, has_lp), (bps, gs, ms, vs, blps, steps) in _buckets(keys, lists).items():
-            _C.fused_adam_(bps, gs, ms, vs, blps if has_lp else [], lr=_scalar(group["lr"]),
-                           beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                           weight_decay=float(group["weight_decay"]), decoupled=decoupled,
-                           maximize=bool(group["maximize"]), inv_scale=_on(inv_scale, bps[0]),
-                           found_inf=_on(found_inf, bps[0]), steps=[t.view(1) for t in steps])
-    return True
+            out.append(_C.AdamGroup(bps, gs, ms, vs, blps if has_lp else [],
+                                    [t.view(1) for t in steps], lr=_scalar(group["lr"]),
+                                    beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                                    weight_decay=float(group["weight_decay"]),
+                                    decoupled=decoupled, maximize=bool(group["maximize"])))
+    return out
 
 
-def _sgd_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
+def _sgd_groups(optimizer, lowp_of) -> Optional[list]:
     groups = _with_grad(optimizer, ("momentum_buffer",))
     if groups is None:
-        return False
+        return None
     state = optimizer.state
+    out = []
     for group, ps in groups:
         if not ps:
             continue
@@ -263,16 +265,15 @@ def _sgd_step(optimizer, lowp_of, inv_scale, found_inf) -> bool:
         keys = [(f, p.device, lp is not None) for f, p, lp in zip(firsts, ps, lps)]
         lists = (ps, [p.grad.contiguous() for p in ps], bufs, lps)
         for (first, _, has_lp), (bps, gs, bbufs, blps) in _buckets(keys, lists).items():
-            _C.fused_sgd_(bps, gs, bbufs, blps if has_lp else [], lr=_scalar(group["lr"]),
-                          momentum=momentum, dampening=float(group["dampening"]),
-                          nesterov=bool(group["nesterov"]),
-                          weight_decay=float(group["weight_decay"]),
-                          maximize=bool(group["maximize"]), first_step=first,
-                          inv_scale=_on(inv_scale, bps[0]), found_inf=_on(found_inf, bps[0]))
-    return True
+            out.append(_C.SgdGroup(bps, gs, bbufs, blps if has_lp else [], lr=_scalar(group["lr"]),
+                                   momentum=momentum, dampening=float(group["dampening"]),
+                                   nesterov=bool(group["nesterov"]),
+                                   weight_decay=float(group["weight_decay"]),
+                                   maximize=bool(group["maximize"]), first_step=first))
+    return out
 
 
-def _creates_state(optimizer: torch.optim.Optimizer) -> bool:
+def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     """Some param with a gradient has no optimizer state (or SGD momentum buffer) yet."""
     state = optimizer.state
     sgd = type(optimizer) is torch.optim.SGD
@@ -302,15 +303,20 @@ def fused_optimizer_step(
     lowp_of: Optional[Mapping[int, Tensor]] = None,
     inv_scale: Optional[Tensor] = None,
     found_inf: Optional[Tensor] = None,
+    **finish,
 ) -> bool:
     """Step ``optimizer`` with the fused kernels; False (nothing done) if unsupported.
 
     ``lowp_of`` maps ``id(param)`` to a bf16/fp16 tensor that receives the
-    updated param in the same pass. Grads are multiplied by ``inv_scale`` first
-    when given. When ``found_inf`` is nonzero the kernels skip the step entirely
-    (state, step counters and params untouched), decided on the device: nothing
-    here reads ``found_inf`` ([Note: device step counters]), except on a step that
-    creates optimizer state (see ``_creates_state``).
+    updated param in the same pass. Grads are multiplied by ``inv_scale`` inside
+    the update when given. When ``found_inf`` is nonzero the kernels skip the step
+    entirely (state, step counters and params untouched), decided on the device:
+    nothing here reads ``found_inf`` ([Note: device step counters]), except on a
+    step that creates optimizer state (see ``creates_state``). ``finish``: the rest
+    of the step that runs in the same call (``check``, ``check_inv_scale``,
+    ``agree_group``, ``gather``, ``scaler``, ``keep_found_inf``, ``keep_scale``; see
+    [Note: one call per step] in csrc/engines/step/fused_step.h): one crossing into
+    C++ per step.
     """
     if not supports_fused(optimizer):
         return False
@@ -318,11 +324,20 @@ def fused_optimizer_step(
         for lp in lowp_of.values():
             if lp.dtype not in (torch.bfloat16, torch.float16) or not lp.is_contiguous():
                 return False
-    if found_inf is not None and _creates_state(optimizer) and float(found_inf.item()) != 0.0:
-        # The first step of a param creates its state (and SGD's first step differs): it
-        # must know it is not skipped, so that a skipped first step leaves no state, as
-        # torch's. One host read on such steps only; every later step reads nothing.
-        return True
-    if type(optimizer) is torch.optim.SGD:
-        return _sgd_step(optimizer, lowp_of, inv_scale, found_inf)
-    return _adam_step(optimizer, lowp_of, inv_scale, found_inf)
+    if found_inf is not None and creates_state(optimizer):
+        if finish:
+            raise ValueError("fused_optimizer_step: a step that creates optimizer state reads "
+                             "found_inf on the host; check, agree and finish it around this call")
+        if float(found_inf.item()) != 0.0:
+            # The first step of a param creates its state (and SGD's first step differs): it
+            # must know it is not skipped, so that a skipped first step leaves no state, as
+            # torch's. One host read on such steps only; every later step reads nothing.
+            return True
+    sgd = type(optimizer) is torch.optim.SGD
+    groups = _sgd_groups(optimizer, lowp_of) if sgd else _adam_groups(optimizer, lowp_of)
+    if groups is None:
+        return False
+    _C.fused_step(adam=[] if sgd else groups, sgd=groups if sgd else [],
+                  found_inf=_on(found_inf, found_inf), grad_scale=_on(inv_scale, inv_scale),
+                  **finish)
+    return True

@@ -293,7 +293,8 @@ class Engine:
     def _defer_clip(self, raw: torch.Tensor, max_norm: float, unscaled: bool) -> torch.Tensor:
         """Record the clip of [Note: clip inside the update] given the norm ``raw`` of the
         gradients as they are (scaled unless ``unscaled``); returns the unscaled norm."""
-        inv = None if unscaled or self.scaler is None else self.scaler.inv_scale().reshape(())
+        inv = None if unscaled else self.precision.inv_scale()
+        inv = None if inv is None else inv.reshape(())
         total = raw if inv is None else raw * inv.to(raw.device)
         factor = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         if inv is not None:
@@ -362,10 +363,18 @@ class Engine:
             result = StepResult(True, "ok", None, None)
             self._end_step(state, result)
             return result
-        if state.grad_scale is None:
-            self.unscale_(state)
         skip_reason = "overflow" if self.scaler is not None else "nonfinite"
         fused = self._fused_eligible(optimizer)  # checked once per step
+        if fused and not (self.scaler is None and self.nonfinite_grads == "raise") \
+                and not kernels.creates_state(optimizer):
+            result = self._step_in_one_call(state, skip_reason)
+            if result is not None:
+                self._unlogged.append((state, state.steps, result))
+                self._log_skips()
+                self._end_step(state, result)
+                return result
+        if state.grad_scale is None:
+            self.unscale_(state)
         if not fused:
             self._materialize(state)
         if not fused or (self.scaler is None and self.nonfinite_grads == "raise"):
@@ -392,6 +401,41 @@ class Engine:
                 state.steps,
             )
         return result
+
+    def _step_in_one_call(self, state: OptimizerState, skip_reason: str) -> Optional[StepResult]:
+        """The step as ONE call into C++ ([Note: one call per step] in
+        csrc/engines/step/fused_step.h): the check this step still owes, the engine's
+        agreement and gather (``_step_finish``), the update with the clip's factor, the
+        scaler update when the iteration ends. None: the fused kernels declined this
+        optimizer's state layout, nothing was done."""
+        optimizer = state.optimizer
+        precision = self.precision
+        update = precision.ends_iteration(id(optimizer), self.optimizers)
+        keep_found_inf = torch.empty(1, dtype=torch.float32, device=self.device)
+        keep_scale = None if self.scaler is None else torch.empty(1, dtype=torch.float32, device=self.device)
+        if not kernels.fused_optimizer_step(
+                optimizer, lowp_of=self._update_lowp_of(), inv_scale=state.grad_scale,
+                found_inf=self.found_inf, scaler=self.scaler, update_scaler=update,
+                keep_found_inf=keep_found_inf, keep_scale=keep_scale, **self._step_finish(state)):
+            return None
+        # LRScheduler watches optimizer.step() through this flag to warn about calling
+        # scheduler.step() first; the fused path did step.
+        optimizer._opt_called = True
+        state.unscaled = True
+        precision.after_step(id(optimizer), self.optimizers, updated=update)
+        state.count_skip(keep_found_inf)
+        return StepResult.deferred(DeviceScalars({
+            "found_inf": keep_found_inf, "loss_scale": keep_scale, "grad_norm": state.grad_norm,
+        }), skip_reason)
+
+    def _step_finish(self, state: OptimizerState) -> dict:
+        """What the one-call step still does around the update (engine hook): here only
+        the check, unless the clip or an explicit unscale did it."""
+        return {"check": not state.unscaled}
+
+    def _update_lowp_of(self) -> dict:
+        """id(optimizer param) -> the low-precision tensor the fused update writes."""
+        return self.lowp_of
 
     def _step_decided_on_host(self, state: OptimizerState, skip_reason: str, fused: bool) -> StepResult:
         """The step when the host must know the outcome first (one read of found_inf)."""

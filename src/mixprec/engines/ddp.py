@@ -103,6 +103,15 @@ class DDPEngine(Engine):
             return
         super()._unscale_local(state)
 
+    def _step_finish(self, state: OptimizerState) -> dict:
+        # The Reducers' flags replace the check pass when each has a fresh one (C++ takes
+        # them, [Note: one call per step]); the flags merged already this iteration do too.
+        if state.unscaled or self.scaler is not None or not self._covered(state.optimizer):
+            return super()._step_finish(state)
+        if self._reducer_checked:
+            return {"check": False}
+        return {"check": True, "reducers": list(self.reducers.values())}
+
     def _covered(self, optimizer: torch.optim.Optimizer) -> bool:
         """Every parameter of ``optimizer`` gets its gradient from a reducer."""
         reduced = self._reduced

@@ -47,6 +47,9 @@ class Precision:
         if policy.loss_scaling:
             options = _C.ScalerOptions(**dataclasses.asdict(policy.scaler))
             self.scaler = _C.GradScaler(options, device)
+            # The scaler's own scale tensor (updated and loaded in place): read from
+            # Python without a call into C++ each step.
+            self._scale: Optional[torch.Tensor] = self.scaler.scale
         self.masters: list[_C.MasterWeights] = []  # one per prepared model with low-precision params
         self.master_of: dict[int, torch.Tensor] = {}  # id(model param) -> its fp32 master
         self.lowp_of: dict[int, torch.Tensor] = {}  # id(master) -> the model param it refreshes
@@ -151,10 +154,14 @@ class Precision:
         self.scaled_backward = True
         return self.scaler.scale_loss(loss)
 
+    def inv_scale(self) -> Optional[torch.Tensor]:
+        """1/scale as the C++ scaler computes it (fp32, via fp64), or None without one."""
+        return None if self.scaler is None else self._scale.double().reciprocal().float()
+
     def unscale_(self, grads: Sequence[torch.Tensor]) -> None:
         """Multiply by 1/scale (fp16) or 1 (bf16/fp32) and OR inf/nan into found_inf, in
         one pass ([Note: non-finite guard] in engines/base.py)."""
-        inv = self.scaler.inv_scale() if self.scaler is not None else self._unit_scale
+        inv = self.inv_scale() if self.scaler is not None else self._unit_scale
         kernels.unscale_and_check_(grads, self.found_inf, inv)
 
     @staticmethod
@@ -164,9 +171,19 @@ class Precision:
             clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(list(grads), clip_coef.to(grads[0].device))
 
-    def after_step(self, optimizer_id: int, all_optimizer_ids) -> None:
-        """[Note: one scaler update per iteration] (engines/base.py)."""
+    def ends_iteration(self, optimizer_id: int, all_optimizer_ids) -> bool:
+        """This optimizer's step is the last of the iteration: the scale moves after it."""
+        return self.scaler is not None and (
+            self._stepped_since_update | {optimizer_id}) >= set(all_optimizer_ids)
+
+    def after_step(self, optimizer_id: int, all_optimizer_ids, *, updated: bool = False) -> None:
+        """[Note: one scaler update per iteration] (engines/base.py). ``updated``: the
+        step's own call already updated the scaler ([Note: one call per step])."""
         if self.scaler is None:
+            return
+        if updated:
+            self._stepped_since_update.clear()
+            self.scaled_backward = False
             return
         self._stepped_since_update.add(optimizer_id)
         if self._stepped_since_update >= set(all_optimizer_ids):

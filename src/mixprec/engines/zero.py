@@ -419,6 +419,25 @@ class ZeroEngine(Engine):
     def write_back(self, optimizer: torch.optim.Optimizer) -> None:
         self._publish(optimizer, True)
 
+    def _step_finish(self, state: OptimizerState) -> dict:
+        # [Note: one call per step]: the agreement ([Note: found_inf agreement]) and the
+        # gather of the updated shards (zero1/2) ride in the step's one call.
+        finish = super()._step_finish(state)
+        if not self._found_inf_agreed:
+            finish["agree_group"] = self.group_name
+        if not self.options.shard_params:
+            finish["gather"] = self.cores_of_opt[id(state.optimizer)]
+        return finish
+
+    def _step_in_one_call(self, state: OptimizerState, skip_reason: str) -> Optional[StepResult]:
+        result = super()._step_in_one_call(state, skip_reason)
+        if result is not None:
+            self._found_inf_agreed = True  # the call agreed it (another optimizer reuses it)
+        return result
+
+    def _update_lowp_of(self) -> dict:
+        return self.segment_lowp
+
     def _publish(self, optimizer: torch.optim.Optimizer, refresh_lowp: bool) -> None:
         """Make the updated shards the model's parameters: zero1/2 all-gather them now;
         zero3 only refreshes the low-precision shards (the next forward gathers)."""

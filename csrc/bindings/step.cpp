@@ -6,54 +6,68 @@ namespace py = pybind11;
 
 namespace mixprec::bindings {
 
+namespace {
+
+namespace k = mixprec::kernels;
+
+// Groups come as plain tuples, converted here: building a bound object per group would
+// be one more call into C++ each ([Note: one call per step]).
+void check_arity(const char* what, const py::tuple& t, size_t n) {
+  TORCH_CHECK_VALUE(t.size() == n, "fused_step: an ", what, " group is a tuple of ", n,
+                    " items (see src/mixprec/kernels.py), got ", t.size());
+}
+
+std::vector<engines::AdamGroup> adam_groups(const std::vector<py::tuple>& groups) {
+  // (params, grads, exp_avgs, exp_avg_sqs, lowp_params, steps,
+  //  lr, beta1, beta2, eps, weight_decay, decoupled, maximize)
+  std::vector<engines::AdamGroup> out;
+  for (const auto& t : groups) {
+    check_arity("adam", t, 13);
+    out.push_back(engines::AdamGroup{
+        t[0].cast<k::TensorVec>(), t[1].cast<k::TensorVec>(), t[2].cast<k::TensorVec>(),
+        t[3].cast<k::TensorVec>(), t[4].cast<k::TensorVec>(), t[5].cast<k::TensorVec>(),
+        k::AdamOptions{t[6].cast<double>(), t[7].cast<double>(), t[8].cast<double>(),
+                       t[9].cast<double>(), t[10].cast<double>(), 0.0, t[11].cast<bool>(),
+                       t[12].cast<bool>()}});
+  }
+  return out;
+}
+
+std::vector<engines::SgdGroup> sgd_groups(const std::vector<py::tuple>& groups) {
+  // (params, grads, momentum_buffers, lowp_params,
+  //  lr, momentum, dampening, nesterov, weight_decay, maximize, first_step)
+  std::vector<engines::SgdGroup> out;
+  for (const auto& t : groups) {
+    check_arity("sgd", t, 11);
+    out.push_back(engines::SgdGroup{
+        t[0].cast<k::TensorVec>(), t[1].cast<k::TensorVec>(), t[2].cast<k::TensorVec>(),
+        t[3].cast<k::TensorVec>(),
+        k::SgdOptions{t[4].cast<double>(), t[5].cast<double>(), t[6].cast<double>(),
+                      t[8].cast<double>(), t[7].cast<bool>(), t[9].cast<bool>(),
+                      t[10].cast<bool>()}});
+  }
+  return out;
+}
+
+}  // namespace
+
 void init_step(py::module_& m) {
-  namespace k = mixprec::kernels;
-  using engines::AdamGroup;
-  using engines::SgdGroup;
-
-  py::class_<AdamGroup>(m, "AdamGroup")
-      .def(py::init([](k::TensorVec params, k::TensorVec grads, k::TensorVec exp_avgs,
-                       k::TensorVec exp_avg_sqs, k::TensorVec lowp_params, k::TensorVec steps,
-                       double lr, double beta1, double beta2, double eps, double weight_decay,
-                       bool decoupled, bool maximize) {
-             return AdamGroup{std::move(params), std::move(grads), std::move(exp_avgs),
-                              std::move(exp_avg_sqs), std::move(lowp_params), std::move(steps),
-                              k::AdamOptions{lr, beta1, beta2, eps, weight_decay, 0.0, decoupled,
-                                             maximize}};
-           }),
-           py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
-           py::arg("lowp_params"), py::arg("steps"), py::kw_only(), py::arg("lr"),
-           py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-           py::arg("decoupled"), py::arg("maximize"));
-
-  py::class_<SgdGroup>(m, "SgdGroup")
-      .def(py::init([](k::TensorVec params, k::TensorVec grads, k::TensorVec momentum_buffers,
-                       k::TensorVec lowp_params, double lr, double momentum, double dampening,
-                       bool nesterov, double weight_decay, bool maximize, bool first_step) {
-             return SgdGroup{std::move(params), std::move(grads), std::move(momentum_buffers),
-                             std::move(lowp_params),
-                             k::SgdOptions{lr, momentum, dampening, weight_decay, nesterov,
-                                           maximize, first_step}};
-           }),
-           py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
-           py::arg("lowp_params"), py::kw_only(), py::arg("lr"), py::arg("momentum"),
-           py::arg("dampening"), py::arg("nesterov"), py::arg("weight_decay"),
-           py::arg("maximize"), py::arg("first_step"));
 
   m.def(
       "fused_step",
-      [](std::vector<AdamGroup> adam, std::vector<SgdGroup> sgd, const k::OptTensor& found_inf,
+      [](const std::vector<py::tuple>& adam, const std::vector<py::tuple>& sgd,
+         const k::OptTensor& found_inf,
          bool check, std::vector<engines::Reducer*> reducers, const std::string& agree_group,
          const k::OptTensor& grad_scale, std::vector<engines::sharded::ShardedCore*> gather,
          precision::GradScaler* scaler, bool update_scaler, const k::OptTensor& keep_found_inf,
          const k::OptTensor& keep_scale) {
-        engines::StepPlan plan{std::move(adam), std::move(sgd), found_inf, check,
+        engines::StepPlan plan{adam_groups(adam), sgd_groups(sgd), found_inf, check,
                                std::move(reducers), agree_group, grad_scale, std::move(gather),
                                scaler, update_scaler, keep_found_inf, keep_scale};
         py::gil_scoped_release nogil;
         engines::fused_step(plan);
       },
-      py::arg("adam") = std::vector<AdamGroup>{}, py::arg("sgd") = std::vector<SgdGroup>{},
+      py::arg("adam") = std::vector<py::tuple>{}, py::arg("sgd") = std::vector<py::tuple>{},
       py::kw_only(), py::arg("found_inf") = py::none(), py::arg("check") = false,
       py::arg("reducers") = std::vector<engines::Reducer*>{}, py::arg("agree_group") = "",
       py::arg("grad_scale") = py::none(),

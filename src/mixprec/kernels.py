@@ -232,11 +232,10 @@ def _adam_groups(optimizer, lowp_of) -> Optional[list]:
         lists = (ps, [p.grad.contiguous() for p in ps], [st["exp_avg"] for st in sts],
                  [st["exp_avg_sq"] for st in sts], lps, [st["step"] for st in sts])
         for (_, has_lp), (bps, gs, ms, vs, blps, steps) in _buckets(keys, lists).items():
-            out.append(_C.AdamGroup(bps, gs, ms, vs, blps if has_lp else [],
-                                    [t.view(1) for t in steps], lr=_scalar(group["lr"]),
-                                    beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                                    weight_decay=float(group["weight_decay"]),
-                                    decoupled=decoupled, maximize=bool(group["maximize"])))
+            # The tuple layout _C.fused_step reads (csrc/bindings/step.cpp, adam_groups).
+            out.append((bps, gs, ms, vs, blps if has_lp else [], [t.view(1) for t in steps],
+                        _scalar(group["lr"]), beta1, beta2, float(group["eps"]),
+                        float(group["weight_decay"]), decoupled, bool(group["maximize"])))
     return out
 
 
@@ -265,11 +264,10 @@ def _sgd_groups(optimizer, lowp_of) -> Optional[list]:
         keys = [(f, p.device, lp is not None) for f, p, lp in zip(firsts, ps, lps)]
         lists = (ps, [p.grad.contiguous() for p in ps], bufs, lps)
         for (first, _, has_lp), (bps, gs, bbufs, blps) in _buckets(keys, lists).items():
-            out.append(_C.SgdGroup(bps, gs, bbufs, blps if has_lp else [], lr=_scalar(group["lr"]),
-                                   momentum=momentum, dampening=float(group["dampening"]),
-                                   nesterov=bool(group["nesterov"]),
-                                   weight_decay=float(group["weight_decay"]),
-                                   maximize=bool(group["maximize"]), first_step=first))
+            # The tuple layout _C.fused_step reads (csrc/bindings/step.cpp, sgd_groups).
+            out.append((bps, gs, bbufs, blps if has_lp else [], _scalar(group["lr"]), momentum,
+                        float(group["dampening"]), bool(group["nesterov"]),
+                        float(group["weight_decay"]), bool(group["maximize"]), first))
     return out
 
 

@@ -12,10 +12,11 @@ from harness import run_distributed
 # model below, measured when this test was written; a change that adds crossings fails
 # here and must update the bound on purpose. Before the one-read-free step they were
 # (bf16/fp16): single 3/7, ddp 4/8, zero1 and zero2 14/18, zero3 and fsdp 16/20 (TinyLM);
-# one fewer each since the clip moved into the fused update ([Note: clip inside the
-# update] in engines/base.py).
-MAX_CROSSINGS = {"single": (2, 5), "ddp": (3, 6), "zero1": (7, 10), "zero2": (7, 10),
-                 "zero3": (9, 12), "fsdp": (9, 12)}
+# then 3/6, 4/7, 8/11, 10/13 with the sync-free step; now the clip is applied inside the
+# update ([Note: clip inside the update] in engines/base.py) and optimizer.step() is one
+# call ([Note: one call per step] in csrc/engines/step/fused_step.h).
+MAX_CROSSINGS = {"single": (2, 3), "ddp": (3, 4), "zero1": (6, 7), "zero2": (6, 7),
+                 "zero3": (9, 10), "fsdp": (9, 10)}
 
 
 def _count(state, backend, precisions):
@@ -35,7 +36,7 @@ def _count(state, backend, precisions):
         warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
         model, opt, sched = acc.prepare(model, opt, warmup)
         batches = transformer_batches(6, seed=10 + state.rank)
-        results, lrs = [], []
+        results, lrs, step_calls = [], [], []
 
         def step(x, y, poison=False):
             loss = loss_fn(model(x), y)
@@ -43,7 +44,9 @@ def _count(state, backend, precisions):
                 loss = loss * float("inf")
             acc.backward(loss)
             acc.clip_grad_norm_(model.parameters(), 1.0)
-            results.append(opt.step())
+            with Crossings() as in_step:
+                results.append(opt.step())
+            step_calls.append(dict(in_step.by_name))
             sched.step()  # holds the schedule on a skipped step ([Note: schedules and lazy results])
             opt.zero_grad()
             lrs.append(sched.get_last_lr()[0])
@@ -59,6 +62,7 @@ def _count(state, backend, precisions):
             "reads": dict(reads.by_op), "crossings": calls.count / 4,
             "outcomes": [(r.stepped, r.reason) for r in results],
             "skipped": acc.skipped_steps,
+            "step_calls": step_calls[2:],
             "lr_held": lrs[-1] == lrs[-2] and lrs[-2] > lrs[-3],
         }
     return out
@@ -73,6 +77,8 @@ def test_no_host_read_per_step(backend):
             got = out[precision]
             assert got["reads"] == {}, (rank, precision, got["reads"])
             assert got["crossings"] <= MAX_CROSSINGS[backend][i], (rank, precision, got["crossings"])
+            # optimizer.step() itself: one call into C++, the poisoned step included.
+            assert got["step_calls"] == [{"fused_step": 1}] * 4, (rank, precision, got["step_calls"])
             skip = "nonfinite" if precision == "bf16" else "overflow"
             assert got["outcomes"] == [(True, "ok")] * 5 + [(False, skip)], (rank, precision)
             assert got["skipped"] == 1

@@ -88,6 +88,8 @@ class Crossings:
         return sum(self.by_name.values())
 
     def _profile(self, frame, event, arg) -> None:
+        if self._previous is not None:
+            self._previous(frame, event, arg)  # nested counters all count
         if event == "c_call" and getattr(arg, "__module__", None) == "mixprec._C":
             owner = getattr(arg, "__self__", None)
             if owner is not None and type(owner).__module__ == "mixprec._C":

@@ -106,7 +106,11 @@ def mixprec_step(model: nn.Module, clip_in_step: bool):
     return step
 
 
-def measure(*, dim: int = 1024, layers: int = 4, batch: int = 2, steps: int = 4, rounds: int = 9) -> dict:
+def measure(*, dim: int = 1024, layers: int = 4, batch: int = 2, steps: int = 4, rounds: int = 9,
+            tune: bool = True) -> dict:
+    """The four contenders, alternated. ``tune``: tune glibc malloc first (process-wide and
+    for good: benchmarks/run_all.py runs this last)."""
+    tuned = tune_malloc() if tune else False
     base = wide_mlp(dim, layers)
     contenders = {
         "plain": plain_step(copy.deepcopy(base), guard=True),
@@ -117,7 +121,7 @@ def measure(*, dim: int = 1024, layers: int = 4, batch: int = 2, steps: int = 4,
     data = batches(rounds + 1, steps, batch, dim, seed=0)
     times, losses = alternate(contenders, data[1:], data[0][:2])
     return {"params": n_params(base), "dim": dim, "layers": layers, "batch": batch, "steps": steps,
-            "rounds": rounds, "threads": torch.get_num_threads(),
+            "rounds": rounds, "threads": torch.get_num_threads(), "malloc_tuned": tuned,
             "contenders": {k: stats(v) for k, v in times.items()}, "losses": losses}
 
 
@@ -125,7 +129,8 @@ def report(res: dict) -> None:
     med = {k: v["median"] for k, v in res["contenders"].items()}
     print(f"\nwide MLP d={res['dim']} x {res['layers']} blocks, {res['params'] / 1e6:.1f}M fp32 params, "
           f"batch {res['batch']}, bf16 autocast, AdamW + clip_grad_norm_; "
-          f"{res['rounds']} rounds x {res['steps']} steps, {res['threads']} threads")
+          f"{res['rounds']} rounds x {res['steps']} steps, {res['threads']} threads, "
+          f"malloc {'tuned (all contenders)' if res['malloc_tuned'] else 'glibc defaults'}")
     for name, st in res["contenders"].items():
         print(f"  {name:<16} median step {st['median'] * 1e3:8.2f} ms  (spread {st['spread']:5.1%})")
     speedup = med["plain"] / med["mixprec"]
@@ -149,15 +154,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small model, few rounds (smoke test)")
     ap.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
     args = ap.parse_args()
-    tuned = False if args.no_tune_malloc else tune_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.dim, args.layers, args.rounds, args.steps = 256, 2, 3, 2
     print(f"torch {torch.__version__}, mixprec {mixprec.__version__} ({mixprec.build_info()}), "
-          f"threads {torch.get_num_threads()}, {platform.machine()}, "
-          f"malloc {'tuned (all contenders)' if tuned else 'glibc defaults'}")
-    report(measure(dim=args.dim, layers=args.layers, batch=args.batch, steps=args.steps, rounds=args.rounds))
+          f"threads {torch.get_num_threads()}, {platform.machine()}")
+    report(measure(dim=args.dim, layers=args.layers, batch=args.batch, steps=args.steps, rounds=args.rounds,
+                   tune=not args.no_tune_malloc))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import bench_ddp  # noqa: E402
 import bench_fsdp  # noqa: E402
 import bench_kernels  # noqa: E402
 import bench_memory  # noqa: E402
+import bench_optimizer_bound  # noqa: E402
 import bench_single  # noqa: E402
 import bench_zero  # noqa: E402
 from _common import load_average, machine_info, package_version  # noqa: E402
@@ -42,6 +43,7 @@ FULL = {
     "fsdp": dict(dim=384, layers=4, batch=4, steps=3, rounds=4, repeats=3),
     "kernels": dict(quick=False, repeats=7),
     "memory": dict(worlds=(2, 4), dim=512, layers=4, batch=4, steps=2),
+    "optimizer_bound": dict(dim=1024, layers=4, batch=2, steps=4, rounds=15),
 }
 QUICK = {
     "single": dict(dim=64, layers=1, batch=4, steps=2, rounds=2, threads=1),
@@ -57,6 +59,7 @@ QUICK = {
     # As zero4_contenders: in the smoke test the N=4 memory rows are one replicated and one
     # fully sharded contender of each framework (4 ranks per contender on 2 cores are slow).
     "memory4_contenders": ["mixprec_ddp", "zero3", "torch_ddp", "torch_fsdp2"],
+    "optimizer_bound": dict(dim=128, layers=1, batch=2, steps=1, rounds=2),
 }
 FSDP_CONTENDERS = ["fsdp", "fsdp_keep", "torch_fsdp2", "torch_fsdp2_keep"]  # zero3 is in the ZeRO table
 WORLDS = (1, 2, 4)
@@ -96,6 +99,9 @@ def measure_all(sizes: dict) -> dict:
         res4 = timed("memory N=4", lambda: bench_memory.measure(**{**mem, "worlds": (4,)}, contenders=four))
         res["memory"]["worlds"].update(res4["worlds"])
         res["memory"]["skipped"].update(res4["skipped"])
+    # Last: it tunes glibc malloc for the rest of the process (bench_optimizer_bound.py).
+    res["optimizer_bound"] = timed("optimizer_bound",
+                                   lambda: bench_optimizer_bound.measure(**sizes["optimizer_bound"]))
     res["load_after"] = load_average()
     res["total_s"] = time.perf_counter() - t0
     return res
@@ -222,6 +228,23 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
     if "accelerate" not in med:
         L.append("")
         L.append(f"Accelerate: {s['accelerate']} (not compared).")
+    L.append("")
+
+    # optimizer-bound
+    o = res["optimizer_bound"]
+    L.append("## Optimizer-bound step (`bench_optimizer_bound.py`)")
+    L.append("")
+    L.append(f"Wide MLP d={o['dim']} x {o['layers']} blocks, {o['params'] / 1e6:.1f}M fp32 params, batch "
+             f"{o['batch']}, bf16 autocast (fp32 gradients), AdamW + clip_grad_norm_, {o['rounds']} alternating "
+             f"rounds x {o['steps']} steps, {o['threads']} thread(s); glibc malloc "
+             f"{'tuned for every contender (see the script)' if o['malloc_tuned'] else 'at its defaults'}. "
+             "plain: `AdamW(fused=True)` + `GradScaler` + `clip_grad_norm_`; plain_noguard: without GradScaler "
+             "(no inf/nan check); mixprec_inplace: `clip_in_step=False`.")
+    L.append("")
+    med = {k: v["median"] for k, v in o["contenders"].items()}
+    L.append(_table(["contender", "median ms", "min-max ms", "spread", "this / mixprec"],
+                    [[k, _ms(v["median"]), f"{_ms(v['min'])}-{_ms(v['max'])}", _spread(v),
+                      f"{v['median'] / med['mixprec']:.3f}"] for k, v in o["contenders"].items()]))
     L.append("")
 
     # ddp

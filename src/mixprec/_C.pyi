@@ -143,6 +143,31 @@ class Reducer:
         """The agreed inf/nan flag of the last synchronising backward (1 element, the number
         of ranks that saw one), once; None when there is none to take."""
 
+# ---- the step in one call (csrc/engines/step) ------------------------------
+def fused_step(
+    adam: list[tuple] = [],
+    sgd: list[tuple] = [],
+    *,
+    found_inf: Optional[Tensor] = None,
+    check: bool = False,
+    reducers: list[Reducer] = [],
+    agree_group: str = "",
+    grad_scale: Optional[Tensor] = None,
+    gather: list[ShardedCore] = [],
+    scaler: Optional[GradScaler] = None,
+    update_scaler: bool = False,
+    keep_found_inf: Optional[Tensor] = None,
+    keep_scale: Optional[Tensor] = None,
+) -> None:
+    """The post-backward step in one call ([Note: one call per step]): check (and unscale
+    by ``scaler``) the gradients unless every Reducer in ``reducers`` has a fresh flag,
+    all-reduce MAX ``found_inf`` over ``agree_group``, run the fused updates (gradients
+    times ``grad_scale``; skipped on the device when found_inf is set), gather the updated
+    shards of ``gather``, update ``scaler`` when ``update_scaler``. Adam groups are tuples
+    ``(params, grads, exp_avgs, exp_avg_sqs, lowp_params, steps, lr, beta1, beta2, eps,
+    weight_decay, decoupled, maximize)``; SGD groups ``(params, grads, momentum_buffers,
+    lowp_params, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step)``."""
+
 # ---- sharded engines (csrc/engines/sharded) --------------------------------
 class ShardOptions:
     def __init__(

@@ -99,3 +99,16 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if os.environ["QUICKTOUR_LIB"] == "accelerate":
+        # The reference run (torch DDP over Gloo) aborts at interpreter exit in about one run
+        # in five after succeeding ("terminate called without an active exception": torch's
+        # reducer keeps the group's Gloo workers alive into finalization; 2 of 10 runs
+        # measured, against 0 of 10 for the mixprec run, whose engine releases the group
+        # first: [Note: shutdown without end_training] in src/mixprec/accelerator.py). Its
+        # results are written by now; it ends here so the test compares numerics, not
+        # torch's shutdown.
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -263,3 +263,28 @@ def test_bf16_reduction_of_fp32_grads_checks_at_the_step():
         assert not checks
         assert outcomes == [(True, "ok"), (False, "nonfinite"), (False, "nonfinite"), (False, "nonfinite")]
         assert same
+
+
+def _stale_flag(state):
+    import torch
+    from torch import nn
+
+    from mixprec import Accelerator
+
+    torch.manual_seed(0)
+    acc = Accelerator(mixed_precision="bf16", backend="ddp", cpu=True, log_policy=False)
+    model = acc.prepare(nn.Linear(8, 8))
+    reducer = acc.engine.reducers[id(model)]
+    x = torch.randn(4, 8)
+    acc.backward(model(x).sum())
+    fresh = reducer.take_nonfinite_check() is not None
+    acc.backward(model(x).sum())  # a synchronising backward: a flag, not taken
+    with acc.no_sync(model):
+        acc.backward(model(x).sum())  # new gradients, no reduction: that flag is stale now
+    return fresh, reducer.take_nonfinite_check()
+
+
+def test_a_backward_without_sync_leaves_no_flag():
+    for fresh, after_no_sync in run_distributed(_stale_flag, 2):
+        assert fresh
+        assert after_no_sync is None

@@ -169,6 +169,9 @@ std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
 
 void Reducer::on_grad_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // [Note: non-finite check in the copy-in]: any new gradient (also under no_sync) makes
+  // the last backward's flag stale until this backward's own finalize.
+  checked_ = false;
   auto& s = slots_[index];
   auto& bucket = buckets_[s.bucket];
   auto& target_grad = s.target.mutable_grad();

@@ -30,7 +30,9 @@
 // values each rank contributes (each already times 1/N, so their sum cannot overflow);
 // it is active only when every bucket holds its gradients as views (no reduce-dtype cast,
 // whose rounding to a narrower type it would not see): otherwise the engine checks the
-// reduced gradients itself, as before.
+// reduced gradients itself, as before. The flag covers the gradients the backward
+// produced: one written into .grad afterwards by the caller is not checked again, and a
+// backward without a sync (no_sync) leaves no flag, so the step then checks by itself.
 //
 // [Note: low-precision parameters]
 // A bf16/fp16 parameter with an fp32 master: its gradient is folded into the

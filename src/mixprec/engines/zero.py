@@ -429,12 +429,6 @@ class ZeroEngine(Engine):
             finish["gather"] = self.cores_of_opt[id(state.optimizer)]
         return finish
 
-    def _step_in_one_call(self, state: OptimizerState, skip_reason: str) -> Optional[StepResult]:
-        result = super()._step_in_one_call(state, skip_reason)
-        if result is not None:
-            self._found_inf_agreed = True  # the call agreed it (another optimizer reuses it)
-        return result
-
     def _update_lowp_of(self) -> dict:
         return self.segment_lowp
 

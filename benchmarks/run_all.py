@@ -128,6 +128,16 @@ def _spread(st: dict) -> str:
     return f"{st['spread']:.0%}"
 
 
+def _times_table(contenders: dict, ours: str, ours_over_this: bool = True) -> str:
+    """Median/min-max/spread per contender and the ratio to ``ours`` (ours / this, or this / ours)."""
+    ref = contenders[ours]["median"]
+    title = f"{ours} / this" if ours_over_this else f"this / {ours}"
+    return _table(["contender", "median ms", "min-max ms", "spread", title],
+                  [[k, _ms(v["median"]), f"{_ms(v['min'])}-{_ms(v['max'])}", _spread(v),
+                    f"{(ref / v['median'] if ours_over_this else v['median'] / ref):.3f}"]
+                   for k, v in contenders.items()])
+
+
 def write_memory_section(L: list, mem: dict) -> None:
     P = mem["params"]
     L.append("## Memory per rank, measured by the OS (`bench_memory.py`)")
@@ -222,9 +232,7 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
              f"{s['rounds']} alternating rounds x {s['steps']} steps; median per-step time.")
     L.append("")
     med = {k: v["median"] for k, v in s["contenders"].items()}
-    L.append(_table(["contender", "median ms", "min-max ms", "spread", "mixprec / this"],
-                    [[k, _ms(v["median"]), f"{_ms(v['min'])}-{_ms(v['max'])}", _spread(v),
-                      f"{med['mixprec'] / v['median']:.3f}"] for k, v in s["contenders"].items()]))
+    L.append(_times_table(s["contenders"], "mixprec"))
     if "accelerate" not in med:
         L.append("")
         L.append(f"Accelerate: {s['accelerate']} (not compared).")
@@ -241,10 +249,7 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
              "plain: `AdamW(fused=True)` + `GradScaler` + `clip_grad_norm_`; plain_noguard: without GradScaler "
              "(no inf/nan check); mixprec_inplace: `clip_in_step=False`.")
     L.append("")
-    med = {k: v["median"] for k, v in o["contenders"].items()}
-    L.append(_table(["contender", "median ms", "min-max ms", "spread", "this / mixprec"],
-                    [[k, _ms(v["median"]), f"{_ms(v['min'])}-{_ms(v['max'])}", _spread(v),
-                      f"{v['median'] / med['mixprec']:.3f}"] for k, v in o["contenders"].items()]))
+    L.append(_times_table(o["contenders"], "mixprec", ours_over_this=False))
     L.append("")
 
     # ddp
@@ -257,9 +262,7 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
              "fused AdamW; mixprec with its fused C++ step.")
     L.append("")
     med = {k: v["median"] for k, v in d["contenders"].items()}
-    L.append(_table(["contender", "median ms", "min-max ms", "spread", "mixprec_ddp / this"],
-                    [[k, _ms(v["median"]), f"{_ms(v['min'])}-{_ms(v['max'])}", _spread(v),
-                      f"{med['mixprec_ddp'] / v['median']:.3f}"] for k, v in d["contenders"].items()]))
+    L.append(_times_table(d["contenders"], "mixprec_ddp"))
     L.append("")
     if d["accelerate_ddp"]:
         L.append(f"Accelerate's DDP ran: {d['accelerate_ddp']}.")

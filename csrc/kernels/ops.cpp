@@ -51,6 +51,15 @@ void check_optional_scalars(const char* op, const OptTensor& inv_scale, const Op
   if (found_inf) check_scalar_tensor(op, "found_inf", *found_inf, device);
 }
 
+// dsts[i] and srcs[i]: same sizes, one device, floating dtypes. Returns that device.
+at::Device check_pairs(const char* op, const TensorVec& dsts, const TensorVec& srcs) {
+  check_same_sizes(op, "dsts", dsts, "srcs", srcs);
+  const auto device = list_device(dsts);
+  check_list(op, "dsts", dsts, device, Dtypes::kFloating);
+  check_list(op, "srcs", srcs, device, Dtypes::kFloating);
+  return device;
+}
+
 void check_hyper(const char* op, const char* name, double v, double lo) {
   TORCH_CHECK_VALUE(std::isfinite(v) && v >= lo, "mixprec.", op, ": ", name,
                     " must be a finite number >= ", lo, ", got ", v);
@@ -240,11 +249,8 @@ void fused_sgd_(const TensorVec& params, const TensorVec& grads, const TensorVec
 void scale_copy_and_check_(const TensorVec& dsts, const TensorVec& srcs,
                            const at::Tensor& found_inf, const at::Tensor& scale) {
   constexpr const char* op = "scale_copy_and_check_";
-  check_same_sizes(op, "dsts", dsts, "srcs", srcs);
-  if (dsts.empty()) return;
-  const auto device = list_device(dsts);
-  check_list(op, "dsts", dsts, device, Dtypes::kFloating);
-  check_list(op, "srcs", srcs, device, Dtypes::kFloating);
+  if (dsts.empty() && srcs.empty()) return;
+  const auto device = check_pairs(op, dsts, srcs);
   for (size_t i = 0; i < dsts.size(); ++i) {
     TORCH_CHECK_VALUE(dsts[i].scalar_type() == srcs[i].scalar_type(), "mixprec.", op,
                       ": dsts[", i, "] is ", dsts[i].scalar_type(), " but srcs[", i, "] is ",
@@ -274,11 +280,8 @@ void scale_copy_and_check_(const TensorVec& dsts, const TensorVec& srcs,
 
 void copy_cast_(const TensorVec& dsts, const TensorVec& srcs) {
   constexpr const char* op = "copy_cast_";
-  check_same_sizes(op, "dsts", dsts, "srcs", srcs);
-  if (dsts.empty()) return;
-  const auto device = list_device(dsts);
-  check_list(op, "dsts", dsts, device, Dtypes::kFloating);
-  check_list(op, "srcs", srcs, device, Dtypes::kFloating);
+  if (dsts.empty() && srcs.empty()) return;
+  const auto device = check_pairs(op, dsts, srcs);
   on_device(
       op, device, [&] { cpu::copy_cast(dsts, srcs); },
       [&](void* stream) {

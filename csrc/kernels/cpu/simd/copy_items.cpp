@@ -21,28 +21,6 @@ void copy_range(D* d, const S* s, int64_t n) {
   }
 }
 
-// dst = src * scale in fp32, one rounding (as at::mul_out with a float scalar); the
-// check is on the source value, as unscale_range's.
-template <class T>
-bool scale_copy_range(T* d, const T* s, int64_t n, const fVec& scale) {
-  fVec acc0(0.f), acc1(0.f);
-  int64_t i = 0;
-  for (; i + 2 * kW <= n; i += 2 * kW) {
-    const fVec x0 = load_full(s + i), x1 = load_full(s + i + kW);
-    acc0 = nonfinite_acc(acc0, x0);
-    acc1 = nonfinite_acc(acc1, x1);
-    store_full(d + i, x0 * scale);
-    store_full(d + i + kW, x1 * scale);
-  }
-  for (; i < n; i += kW) {
-    const int64_t w = std::min(kW, n - i);
-    const fVec x = load_f(s + i, w);
-    acc0 = nonfinite_acc(acc0, x);
-    store_f(d + i, x * scale, w);
-  }
-  return any_nonfinite(acc0 + acc1);
-}
-
 }  // namespace
 
 // Same dtype on both sides (the caller checks). In place (d == s) is allowed.

@@ -4,28 +4,6 @@
 namespace mixprec::kernels::cpu::CPU_CAPABILITY {
 namespace {
 
-// Matches torch's CPU _amp_foreach_non_finite_check_and_unscale_: the check is
-// on the value before scaling, the product is one fp32 multiply rounded back.
-template <class T>
-bool unscale_range(T* p, int64_t n, const fVec& inv) {
-  fVec acc0(0.f), acc1(0.f);
-  int64_t i = 0;
-  for (; i + 2 * kW <= n; i += 2 * kW) {
-    const fVec x0 = load_full(p + i), x1 = load_full(p + i + kW);
-    acc0 = nonfinite_acc(acc0, x0);
-    acc1 = nonfinite_acc(acc1, x1);
-    store_full(p + i, x0 * inv);
-    store_full(p + i + kW, x1 * inv);
-  }
-  for (; i < n; i += kW) {
-    const int64_t w = std::min(kW, n - i);
-    const fVec x = load_f(p + i, w);
-    acc0 = nonfinite_acc(acc0, x);
-    store_f(p + i, x * inv, w);
-  }
-  return any_nonfinite(acc0 + acc1);
-}
-
 // Four independent accumulators: 4x shorter fp32 sums per lane (a 64K chunk
 // is 2K terms per lane) and no serial dependency between vector adds.
 template <class T>
@@ -58,8 +36,10 @@ void unscale_items(const Plan<1>& plan, int64_t b, int64_t e, float inv_scale, u
   for (int64_t k = b; k < e; ++k) {
     const WorkItem& it = plan.items[k];
     const Slot& s = plan.slots[it.tensor][0];
-    MIXPREC_FLOAT_SWITCH(s.dtype, T, found[k] = unscale_range(
-        static_cast<T*>(s.ptr) + it.begin, it.end - it.begin, inv))
+    MIXPREC_FLOAT_SWITCH(s.dtype, T, {
+      T* p = static_cast<T*>(s.ptr) + it.begin;
+      found[k] = scale_copy_range(p, p, it.end - it.begin, inv);
+    })
   }
 }
 

@@ -165,4 +165,27 @@ C10_ALWAYS_INLINE bool any_nonfinite(const fVec& acc) {
     default: break; /* dtypes are checked in ops.cpp */                       \
   }
 
+// d[i] = s[i] * scale in fp32, one rounding (as at::mul with a float scalar), in place
+// when d == s; true when a source value was inf/nan (checked before scaling, as torch's
+// _amp_foreach_non_finite_check_and_unscale_). The unscale and the Reducer's copy-in.
+template <class T>
+bool scale_copy_range(T* d, const T* s, int64_t n, const fVec& scale) {
+  fVec acc0(0.f), acc1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const fVec x0 = load_full(s + i), x1 = load_full(s + i + kW);
+    acc0 = nonfinite_acc(acc0, x0);
+    acc1 = nonfinite_acc(acc1, x1);
+    store_full(d + i, x0 * scale);
+    store_full(d + i + kW, x1 * scale);
+  }
+  for (; i < n; i += kW) {
+    const int64_t w = std::min(kW, n - i);
+    const fVec x = load_f(s + i, w);
+    acc0 = nonfinite_acc(acc0, x);
+    store_f(d + i, x * scale, w);
+  }
+  return any_nonfinite(acc0 + acc1);
+}
+
 }  // namespace mixprec::kernels::cpu::CPU_CAPABILITY

@@ -78,6 +78,9 @@ void init_step(py::module_& m) {
       "csrc/engines/step/fused_step.h): check (and unscale) the gradients, agree found_inf "
       "across ranks, run the fused updates (skipped on the device when found_inf is set), "
       "gather the updated shards, update the loss scaler.");
+  m.def("finish_reductions", &engines::finish_reductions, py::arg("cores"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Finish every core's pending reductions, in order; which cores hold gradients.");
 }
 
 }  // namespace mixprec::bindings

@@ -168,6 +168,10 @@ def fused_step(
     weight_decay, decoupled, maximize)``; SGD groups ``(params, grads, momentum_buffers,
     lowp_params, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step)``."""
 
+def finish_reductions(cores: list[ShardedCore]) -> list[bool]:
+    """Finish every core's pending reductions, in the given order (the same on every rank);
+    which cores hold gradients. The sharded engines' wait, one call for all cores."""
+
 # ---- sharded engines (csrc/engines/sharded) --------------------------------
 class ShardOptions:
     def __init__(

@@ -56,8 +56,8 @@ def test_two_optimizers_one_call_each_and_agree(backend, precision):
     for outcomes, scales, calls, same in results:
         assert outcomes == [ok, ok, skipped, ok, ok]
         # One fused_step per optimizer.step(); without a clip before it, a sharded step also
-        # finishes the reductions first (reduce + has_grads per core: 2 models, 2 steps).
-        wait = {} if backend == "ddp" else {"reduce": 4, "has_grads": 4}
+        # finishes the reductions first (one finish_reductions call for all cores, per step).
+        wait = {} if backend == "ddp" else {"finish_reductions": 2}
         assert calls == [{"fused_step": 2, **wait}] * 4
         assert same
     if precision == "fp16":

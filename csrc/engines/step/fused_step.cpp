@@ -67,4 +67,14 @@ void fused_step(const StepPlan& plan) {
   }
 }
 
+std::vector<bool> finish_reductions(const std::vector<sharded::ShardedCore*>& cores) {
+  std::vector<bool> have;
+  have.reserve(cores.size());
+  for (auto* core : cores) {
+    core->reduce();
+    have.push_back(core->has_grads());
+  }
+  return have;
+}
+
 }  // namespace mixprec::engines

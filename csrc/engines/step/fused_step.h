@@ -65,4 +65,9 @@ struct StepPlan {
 
 void fused_step(const StepPlan& plan);
 
+// Finish every core's pending reductions (ShardedCore::reduce, in the given order, the same
+// on every rank) and say which cores hold gradients: the sharded engines' wait for their
+// reductions, one call for all cores.
+std::vector<bool> finish_reductions(const std::vector<sharded::ShardedCore*>& cores);
+
 }  // namespace mixprec::engines

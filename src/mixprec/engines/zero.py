@@ -274,11 +274,10 @@ class ZeroEngine(Engine):
         if self._folded:
             return
         self._folded = True
-        for core in self._all_cores():
-            core.reduce()
+        cores = self._all_cores()
+        holds = dict(zip(map(id, cores), _C.finish_reductions(cores)))  # one call for all
         for opt_id, segments in self.segments.items():
-            cores = self.cores_of_opt[opt_id]
-            have = any(c.has_grads() for c in cores)
+            have = any(holds[id(c)] for c in self.cores_of_opt[opt_id])
             for s in segments:
                 if have and s.master.grad is None:
                     s.master.grad = s.grad

@@ -340,6 +340,10 @@ class Engine:
         earlier results whose values have arrived (on CPU, at once). Three things need
         the outcome on the host and read found_inf once: a closure, an optimizer the fused
         kernels do not cover, and ``nonfinite_grads: raise`` (it must raise now).
+
+        Such a step is one call into C++ (``_step_in_one_call``, [Note: one call per step]
+        in csrc/engines/step/fused_step.h); the code after it is the path of the steps it
+        does not take: those three, and a step that creates optimizer state.
         """
         optimizer = state.optimizer
         self.fold_grads()

@@ -78,6 +78,10 @@ void init_step(py::module_& m) {
       "csrc/engines/step/fused_step.h): check (and unscale) the gradients, agree found_inf "
       "across ranks, run the fused updates (skipped on the device when found_inf is set), "
       "gather the updated shards, update the loss scaler.");
+  m.def("merge_nonfinite_checks", &engines::merge_nonfinite_checks, py::arg("reducers"),
+        py::arg("found_inf"),
+        "OR every reducer's fresh agreed inf/nan flag into found_inf; False (nothing taken "
+        "into account) when some reducer has none.");
   m.def("finish_reductions", &engines::finish_reductions, py::arg("cores"),
         py::call_guard<py::gil_scoped_release>(),
         "Finish every core's pending reductions, in order; which cores hold gradients.");

@@ -168,6 +168,9 @@ def fused_step(
     weight_decay, decoupled, maximize)``; SGD groups ``(params, grads, momentum_buffers,
     lowp_params, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step)``."""
 
+def merge_nonfinite_checks(reducers: list[Reducer], found_inf: Tensor) -> bool:
+    """OR every reducer's fresh agreed inf/nan flag into found_inf ([Note: non-finite check
+    in the copy-in]); False, with nothing taken into account, when some reducer has none."""
 def finish_reductions(cores: list[ShardedCore]) -> list[bool]:
     """Finish every core's pending reductions, in the given order (the same on every rank);
     which cores hold gradients. The sharded engines' wait, one call for all cores."""

@@ -12,19 +12,9 @@ void fused_step(const StepPlan& plan) {
   // [Note: one call per step] (fused_step.h): the steps in their order.
   bool check = plan.check;
   if (check && !plan.reducers.empty()) {
-    std::vector<at::Tensor> flags;
-    for (auto* r : plan.reducers) {
-      auto f = r->take_nonfinite_check();
-      if (f.has_value()) flags.push_back(*f);
-    }
-    if (flags.size() == plan.reducers.size()) {
-      TORCH_CHECK_VALUE(plan.found_inf.has_value(), "fused_step: reducers need found_inf");
-      for (const auto& f : flags) {
-        at::Tensor seen = f.gt(0).to(plan.found_inf->scalar_type());
-        plan.found_inf->copy_(at::maximum(*plan.found_inf, seen));
-      }
-      check = false;  // every gradient was checked in the copy-in
-    }
+    TORCH_CHECK_VALUE(plan.found_inf.has_value(), "fused_step: reducers need found_inf");
+    // every gradient was checked in the copy-in when each reducer has a flag
+    check = !merge_nonfinite_checks(plan.reducers, *plan.found_inf);
   }
   if (check) {
     TORCH_CHECK_VALUE(plan.found_inf.has_value(), "fused_step: check=True needs found_inf");
@@ -65,6 +55,19 @@ void fused_step(const StepPlan& plan) {
     TORCH_CHECK_VALUE(plan.scaler != nullptr, "fused_step: update_scaler needs the scaler");
     plan.scaler->update();
   }
+}
+
+bool merge_nonfinite_checks(const std::vector<Reducer*>& reducers, const at::Tensor& found_inf) {
+  std::vector<at::Tensor> flags;
+  for (auto* r : reducers) {
+    auto f = r->take_nonfinite_check();
+    if (f.has_value()) flags.push_back(*f);
+  }
+  if (reducers.empty() || flags.size() != reducers.size()) return false;
+  for (const auto& f : flags) {
+    found_inf.copy_(at::maximum(found_inf, f.gt(0).to(found_inf.scalar_type())));
+  }
+  return true;
 }
 
 std::vector<bool> finish_reductions(const std::vector<sharded::ShardedCore*>& cores) {

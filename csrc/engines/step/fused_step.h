@@ -65,6 +65,11 @@ struct StepPlan {
 
 void fused_step(const StepPlan& plan);
 
+// [Note: non-finite check in the copy-in]: take every reducer's fresh agreed flag and OR
+// it into found_inf (on the device). False when some reducer has none (its model had no
+// synchronising backward since): the caller then checks the gradients itself.
+bool merge_nonfinite_checks(const std::vector<Reducer*>& reducers, const at::Tensor& found_inf);
+
 // Finish every core's pending reductions (ShardedCore::reduce, in the given order, the same
 // on every rank) and say which cores hold gradients: the sharded engines' wait for their
 // reductions, one call for all cores.

@@ -293,12 +293,11 @@ class Engine:
     def _defer_clip(self, raw: torch.Tensor, max_norm: float, unscaled: bool) -> torch.Tensor:
         """Record the clip of [Note: clip inside the update] given the norm ``raw`` of the
         gradients as they are (scaled unless ``unscaled``); returns the unscaled norm."""
-        inv = None if unscaled else self.precision.inv_scale()
-        inv = None if inv is None else inv.reshape(())
-        total = raw if inv is None else raw * inv.to(raw.device)
+        inv = None if unscaled else self.precision.inv_scale()  # None without a scaler
+        total = raw if inv is None else raw * inv.reshape(())
         factor = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
         if inv is not None:
-            factor = inv.to(factor.device) * factor
+            factor = inv.reshape(()) * factor
         for state in self.optimizers.values():
             state.unscaled = True  # checked now, unscaled by the update
             state.grad_scale = factor

@@ -120,14 +120,8 @@ class DDPEngine(Engine):
     def _take_reducer_checks(self) -> bool:
         """OR every reducer's fresh agreed flag into found_inf (on the device); False when
         some reducer has none (its model had no synchronising backward since)."""
-        flags = [r.take_nonfinite_check() for r in self.reducers.values()]
-        if not flags or any(f is None for f in flags):
-            return False
-        found_inf = self.found_inf
-        for f in flags:
-            torch.maximum(found_inf, f.gt(0).to(found_inf.dtype), out=found_inf)
-        self._reducer_checked = True
-        return True
+        self._reducer_checked = _C.merge_nonfinite_checks(list(self.reducers.values()), self.found_inf)
+        return self._reducer_checked
 
     def _end_step(self, state: OptimizerState, result) -> None:
         super()._end_step(state, result)

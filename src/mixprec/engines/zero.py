@@ -347,7 +347,7 @@ class ZeroEngine(Engine):
         grads = self._all_segment_grads()
         p = float(norm_type)
         # [Note: clip inside the update] (engines/base.py): the norm pass is the check.
-        deferred = self._clip_deferrable(grads, norm_type) if grads else False
+        deferred = self._clip_deferrable(grads, norm_type)
         unscaled = deferred and next(iter(self.optimizers.values())).unscaled
         if not deferred:
             for state in self.optimizers.values():

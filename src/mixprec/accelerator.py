@@ -144,6 +144,10 @@ class Accelerator(AccelerateApi):
         clip_in_step: ``clip_grad_norm_`` computes the norm in one read and the fused
             update applies the clip (default True; the gradients keep their unclipped
             values until ``step()``). False clips in place at once, as torch does.
+        cache_weight_casts: single/ddp, bf16/fp16 autocast: the fused update writes the
+            forward's bf16/fp16 copy of each large ``nn.Linear`` weight, so the forward
+            does not cast it again (default True; same numbers as autocast). False: cast
+            in every forward (for loops that write weights through ``p.data``).
 
     Accelerate's options (keyword-only here; docs/migrating.md):
 
@@ -189,6 +193,7 @@ class Accelerator(AccelerateApi):
         gradient_clipping: Optional[float] = None,
         nonfinite_grads: Optional[str] = None,
         clip_in_step: Optional[bool] = None,
+        cache_weight_casts: Optional[bool] = None,
         max_consecutive_overflows: Union[int, None, _NotGiven] = NOT_GIVEN,
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         project_dir: Optional[str] = None,
@@ -208,7 +213,7 @@ class Accelerator(AccelerateApi):
             "step_scheduler_with_optimizer": step_scheduler_with_optimizer, "log_policy": log_policy,
             "split_batches": split_batches, "even_batches": even_batches, "data_seed": data_seed,
             "gradient_clipping": gradient_clipping, "nonfinite_grads": nonfinite_grads,
-            "clip_in_step": clip_in_step,
+            "clip_in_step": clip_in_step, "cache_weight_casts": cache_weight_casts,
         }
         compat = translate_accelerate_options(
             given, dataloader_config=dataloader_config, gradient_accumulation_plugin=gradient_accumulation_plugin,
@@ -275,6 +280,7 @@ class Accelerator(AccelerateApi):
         self._engine_args = (engine_cls, cfg.fused_optimizer, options)  # free_memory() builds anew
         self.engine.set_nonfinite_policy(cfg.nonfinite_grads)
         self.engine.clip_in_step = cfg.clip_in_step
+        self.engine.cache_weight_casts = cfg.cache_weight_casts
         # Accelerate's attribute names over the same DistributedState (compat/state.py).
         self.state = AcceleratorState.from_state(self.state, mixed_precision=self.policy.name,
                                                  backend_name=engine_cls.name)
@@ -320,6 +326,7 @@ class Accelerator(AccelerateApi):
         self.engine = engine_cls(self.policy, self.device, fused_optimizer=fused, **options)
         self.engine.set_nonfinite_policy(old.nonfinite_grads)
         self.engine.clip_in_step = old.clip_in_step
+        self.engine.cache_weight_casts = old.cache_weight_casts
         self.gradient_state.step, self.gradient_state.sync_gradients = 0, True
 
     # ------------------------------------------------------------------ info

@@ -217,6 +217,14 @@ class MixprecConfig:
     (``unscale_gradients``, ``clip_grad_value_``) apply the clip first. false: clip (and
     unscale) in place at once, as torch does, for loops that read ``p.grad`` between clip
     and step."""
+    cache_weight_casts: bool = True
+    """single/ddp under bf16/fp16 autocast with fp32 weights: the fused optimizer update
+    also writes a bf16/fp16 copy of each large ``nn.Linear`` weight (>= 32768 elements),
+    and the forward uses it instead of casting the weight again: the same numbers as
+    autocast's cast, one pass over the weights fewer per step, for a persistent 2-byte copy
+    per cached parameter. The copy is dropped from use whenever the weight is written
+    outside the update (its version changes); a write through ``p.data`` is not seen, so
+    loops that write weights that way set false. false: autocast casts every forward."""
     collective_timeout: Optional[float] = checked(
         30.0, lambda v: v is None or _positive(v), "null or a number > 0 (seconds)")
     """Collective desync detection: a rank inside one collective call (``gather``,

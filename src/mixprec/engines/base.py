@@ -96,6 +96,10 @@ class Engine:
         # config clip_in_step: clip_grad_norm_ leaves the multiply to the fused update
         # ([Note: clip inside the update]).
         self.clip_in_step = True
+        # config cache_weight_casts: on the replicated engines the fused update writes the
+        # forward's bf16/fp16 weights ([Note: the update writes the forward's weights] in
+        # engines/weight_casts.py). Read by prepare_model.
+        self.cache_weight_casts = True
         self.precision = Precision(policy, device)  # [Note: precision layer] in precision.py
         self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
         # Step results whose skips are not logged yet (see Engine._log_skips).
@@ -135,7 +139,10 @@ class Engine:
                 if p.dtype != target:
                     p.data = p.data.to(target)
         input_dtype = target if target is not None else _dominant_dtype(model)
-        precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads)
+        # The sharded engines step shards, not the model's weights: they keep autocast's casts.
+        precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads,
+                                  cache_casts=self.cache_weight_casts and self.fused_optimizer
+                                  and self.replicated_state)
         return model
 
     def zero_model_grads(self, model: nn.Module) -> None:
@@ -168,6 +175,9 @@ class Engine:
                 else:
                     swapped.append(p)
             group["params"] = swapped
+        casts = self.precision.casts
+        if casts is not None and self._fused_eligible(optimizer):
+            casts.track(p for group in optimizer.param_groups for p in group["params"])
         state = OptimizerState(optimizer)
         self.optimizers[id(optimizer)] = state
         return state
@@ -416,11 +426,16 @@ class Engine:
         update = precision.ends_iteration(id(optimizer), self.optimizers)
         keep_found_inf = torch.empty(1, dtype=torch.float32, device=self.device)
         keep_scale = None if self.scaler is None else torch.empty(1, dtype=torch.float32, device=self.device)
+        casts = precision.casts
+        if casts is not None:
+            casts.before_update()
         if not kernels.fused_optimizer_step(
                 optimizer, lowp_of=self._update_lowp_of(), inv_scale=state.grad_scale,
                 found_inf=self.found_inf, scaler=self.scaler, update_scaler=update,
                 keep_found_inf=keep_found_inf, keep_scale=keep_scale, **self._step_finish(state)):
             return None
+        if casts is not None:
+            casts.after_update()
         # LRScheduler watches optimizer.step() through this flag to warn about calling
         # scheduler.step() first; the fused path did step.
         optimizer._opt_called = True
@@ -438,7 +453,7 @@ class Engine:
 
     def _update_lowp_of(self) -> dict:
         """id(optimizer param) -> the low-precision tensor the fused update writes."""
-        return self.lowp_of
+        return self.precision.update_targets()
 
     def _step_decided_on_host(self, state: OptimizerState, skip_reason: str, fused: bool) -> StepResult:
         """The step when the host must know the outcome first (one read of found_inf)."""
@@ -493,8 +508,13 @@ class Engine:
         pending gradient factor ([Note: clip inside the update]) goes into the kernel."""
         if closure is None and fused:
             factor = None if state is None else state.grad_scale
-            if kernels.fused_optimizer_step(optimizer, lowp_of=self.lowp_of, inv_scale=factor,
+            casts = self.precision.casts
+            if casts is not None:
+                casts.before_update()
+            if kernels.fused_optimizer_step(optimizer, lowp_of=self._update_lowp_of(), inv_scale=factor,
                                             found_inf=found_inf):
+                if casts is not None:
+                    casts.after_update()
                 # LRScheduler watches optimizer.step() through this flag to warn about
                 # calling scheduler.step() first; the fused path did step.
                 optimizer._opt_called = True

@@ -33,6 +33,7 @@ from ..policy import PrecisionPolicy, dtype_name
 from ..step import NONFINITE_POLICIES
 from ..utils import LOW_PRECISION
 from ..wrappers.model import AutocastGate, ForwardContext, swap_class
+from .weight_casts import WeightCasts
 
 logger = logging.getLogger("mixprec")
 
@@ -62,6 +63,9 @@ class Precision:
         self._nonfinite_flag = torch.zeros(1, dtype=torch.float32, device=device)
         self._unit_scale = torch.ones(1, dtype=torch.float32, device=device)
         self._stepped_since_update: set[int] = set()  # [Note: one scaler update per iteration]
+        # The forward's low-precision weights, written by the fused update ([Note: the
+        # update writes the forward's weights] in weight_casts.py); None when not used.
+        self.casts: Optional[WeightCasts] = None
 
     @property
     def found_inf(self) -> torch.Tensor:
@@ -124,14 +128,34 @@ class Precision:
 
     def install_forward(self, model: nn.Module, input_dtype: Optional[torch.dtype],
                         gate: AutocastGate, fp32_modules: Sequence[nn.Module],
-                        on_zero_grad: Callable[[nn.Module], None]) -> ForwardContext:
+                        on_zero_grad: Callable[[nn.Module], None], *,
+                        cache_casts: bool = False) -> ForwardContext:
         """Make the model's forward follow the policy (class swap, see wrappers/model.py):
-        autocast, input casts, output dtype; fp32 modules run with autocast off."""
+        autocast, input casts, output dtype; fp32 modules run with autocast off.
+        ``cache_casts``: the engine's fused update may write the forward's low-precision
+        weights ([Note: the update writes the forward's weights] in weight_casts.py); used
+        when the policy keeps fp32 weights under a low-precision autocast."""
         ctx = ForwardContext(self.policy, self.device.type, input_dtype, gate, on_zero_grad=on_zero_grad)
+        policy = self.policy
+        if cache_casts and policy.autocast_enabled and policy.compute_dtype in LOW_PRECISION \
+                and policy.param_dtype in (None, torch.float32):
+            casts = self.casts or WeightCasts(policy.compute_dtype, self.device.type)
+            if casts.install(model, skip=fp32_modules):
+                self.casts = ctx.casts = casts
         swap_class(model, ctx)
         for m in fp32_modules:
             swap_class(m, ForwardContext(self.policy, self.device.type, None, gate, fp32_region=True))
         return ctx
+
+    def update_targets(self) -> dict[int, torch.Tensor]:
+        """id(optimizer param) -> the low-precision tensor the fused update writes: the
+        masters' low-precision params and the forward's weight copies."""
+        casts = self.casts
+        if casts is None or not casts.targets:
+            return self.lowp_of
+        if not self.lowp_of:
+            return casts.targets
+        return {**self.lowp_of, **casts.targets}
 
     def fold_grads(self) -> None:
         """Move pending low-precision grads into the fp32 master grads."""

@@ -17,6 +17,7 @@ The same ``with`` block turns a dtype error raised anywhere inside forward into 
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,17 @@ class AutocastGate:
     model does not re-enable autocast inside them."""
 
     def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __deepcopy__(self, memo) -> "AutocastGate":
+        # A deep copy of a prepared model (an EMA copy, say) answers to the same
+        # Accelerator.autocast regions as the original.
+        return self
+
+    def __getstate__(self) -> dict:
+        return {}  # the open regions belong to this process's threads
+
+    def __setstate__(self, state: dict) -> None:
         self._local = threading.local()
 
     def _stack(self) -> list:
@@ -75,8 +87,22 @@ class ForwardContext:
         self.fp32_region = fp32_region  # a keep_fp32 module: autocast off, fp32 inputs
         self.on_zero_grad = on_zero_grad  # clears grads the engine keeps for this module
         self.pre_forward: Optional[Callable[[], None]] = None  # engine work before forward
+        # The update's weight copies (engines/weight_casts.py): the forward opens and closes
+        # their per-forward memo ([Note: the update writes the forward's weights]).
+        self.casts: Any = None
         # The engine's reading of an error raised inside forward: a clearer exception, or None.
         self.explain_error: Optional[Callable[[RuntimeError], Optional[Exception]]] = None
+
+    def __deepcopy__(self, memo) -> "ForwardContext":
+        # A deep copy of a prepared model (an EMA copy, say) runs its forward under the
+        # same policy and autocast gate, without the engine's per-model work: no buffer
+        # broadcast (a collective the copy's caller may run on one rank only), no weight
+        # copies (they belong to the original's weights), no engine copied along.
+        new = copy.copy(self)
+        new.pre_forward = None
+        new.on_zero_grad = None
+        new.casts = None
+        return new
 
     def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         if self.pre_forward is not None:
@@ -94,6 +120,9 @@ class ForwardContext:
             and not torch.is_autocast_enabled(self.device_type)
             and not self.gate.blocked()
         )
+        casts = self.casts
+        if casts is not None:
+            casts.begin()
         try:
             if open_autocast:
                 with torch.autocast(self.device_type, dtype=self.policy.compute_dtype):
@@ -118,15 +147,28 @@ class ForwardContext:
             if explained is None:
                 raise
             raise explained from error
+        finally:
+            if casts is not None:
+                casts.end()
         if self.policy.output_dtype is not None:
             out = upcast_low_precision(out, self.policy.output_dtype)
         return out
 
 
-class _MixprecForward:
+class SwappedForward:
+    """Base of every class mixprec swaps a module's class to (:func:`restore_class` undoes
+    it): ``_mixprec_original`` is the class to put back, ``_mixprec_attr`` the instance
+    attribute the swap added."""
+
+    _mixprec_original: type
+    _mixprec_attr: str
+
+
+class _MixprecForward(SwappedForward):
     """Mixin placed in front of the user's module class (see the Note above)."""
 
     _mixprec_ctx: ForwardContext
+    _mixprec_attr = "_mixprec_ctx"
 
     def forward(self, *args, **kwargs):  # noqa: D401
         return self._mixprec_ctx.run(super().forward, args, kwargs)
@@ -157,11 +199,13 @@ def swap_class(module: nn.Module, ctx: ForwardContext) -> None:
 
 
 def restore_class(module: nn.Module) -> nn.Module:
-    """Undo :func:`swap_class` on ``module`` and all its submodules."""
+    """Undo :func:`swap_class` (and every other :class:`SwappedForward` swap) on
+    ``module`` and all its submodules."""
     for m in module.modules():
-        if isinstance(m, _MixprecForward):
-            m.__class__ = type(m)._mixprec_original
-            object.__delattr__(m, "_mixprec_ctx")
+        cls = type(m)
+        if isinstance(m, SwappedForward):
+            m.__class__ = cls._mixprec_original
+            object.__delattr__(m, cls._mixprec_attr)
     return module
 
 

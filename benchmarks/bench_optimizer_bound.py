@@ -8,12 +8,18 @@ Most of the step is the optimizer, and fp32 gradients are what most users train 
   (its ``unscale_`` is torch's inf/nan check), ``clip_grad_norm_``. The baseline.
 - ``plain_noguard``: the same without GradScaler: torch with no inf/nan check at all (a
   loop that would step on a nan gradient). Reported for reference.
-- ``mixprec``: ``Accelerator(mixed_precision="bf16")``, ``clip_grad_norm_`` and ``step``;
+- ``mixprec``: ``Accelerator(mixed_precision="bf16")``, ``clip_grad_norm_`` and ``step``
+  at their defaults. Two passes over every parameter fewer than torch:
   the clip is applied inside the fused update ([Note: clip inside the update] in
   src/mixprec/engines/base.py), so the gradients are read twice (norm with the inf/nan
-  check, update) where torch reads them four times and writes them twice.
+  check, update) where torch reads them four times and writes them twice; and the update
+  writes the bf16 weights the next forward multiplies by ([Note: the update writes the
+  forward's weights] in src/mixprec/engines/weight_casts.py), so the forward does not
+  cast the fp32 weights again. Both keep torch's numbers bitwise.
 - ``mixprec_inplace``: mixprec with ``clip_in_step=False`` (clip and check in place, the
   passes torch makes): shows what the fused clip is worth on its own.
+- ``mixprec_nocache``: mixprec with ``cache_weight_casts=False`` (autocast casts the
+  weights in every forward, as torch): shows what the weight copies are worth on their own.
 
 Target (issue #14): plain / mixprec >= 1.25.
 
@@ -92,8 +98,9 @@ def plain_step(model: nn.Module, guard: bool):
     return step
 
 
-def mixprec_step(model: nn.Module, clip_in_step: bool):
-    acc = mixprec.Accelerator(mixed_precision="bf16", cpu=True, log_policy=False, clip_in_step=clip_in_step)
+def mixprec_step(model: nn.Module, clip_in_step: bool = True, cache_weight_casts: bool = True):
+    acc = mixprec.Accelerator(mixed_precision="bf16", cpu=True, log_policy=False, clip_in_step=clip_in_step,
+                              cache_weight_casts=cache_weight_casts)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01))
 
     def step(x, y):
@@ -108,15 +115,16 @@ def mixprec_step(model: nn.Module, clip_in_step: bool):
 
 def measure(*, dim: int = 1024, layers: int = 4, batch: int = 2, steps: int = 4, rounds: int = 9,
             tune: bool = True) -> dict:
-    """The four contenders, alternated. ``tune``: tune glibc malloc first (process-wide and
+    """The five contenders, alternated. ``tune``: tune glibc malloc first (process-wide and
     for good: benchmarks/run_all.py runs this last)."""
     tuned = tune_malloc() if tune else False
     base = wide_mlp(dim, layers)
     contenders = {
         "plain": plain_step(copy.deepcopy(base), guard=True),
         "plain_noguard": plain_step(copy.deepcopy(base), guard=False),
-        "mixprec": mixprec_step(copy.deepcopy(base), clip_in_step=True),
+        "mixprec": mixprec_step(copy.deepcopy(base)),
         "mixprec_inplace": mixprec_step(copy.deepcopy(base), clip_in_step=False),
+        "mixprec_nocache": mixprec_step(copy.deepcopy(base), cache_weight_casts=False),
     }
     data = batches(rounds + 1, steps, batch, dim, seed=0)
     times, losses = alternate(contenders, data[1:], data[0][:2])
@@ -138,6 +146,7 @@ def report(res: dict) -> None:
           f"(target >= {TARGET}: {'met' if speedup >= TARGET else 'MISSED'})")
     print(f"  speed-up plain_noguard / mixprec   = {med['plain_noguard'] / med['mixprec']:.3f}")
     print(f"  mixprec_inplace / mixprec          = {med['mixprec_inplace'] / med['mixprec']:.3f}")
+    print(f"  mixprec_nocache / mixprec          = {med['mixprec_nocache'] / med['mixprec']:.3f}")
     # Same batches, same start: the loss curves must agree (bf16 autocast: not bitwise).
     last = {k: v[-1] for k, v in res["losses"].items()}
     print("  last loss: " + ", ".join(f"{k} {v:.5f}" for k, v in last.items()))

@@ -247,7 +247,8 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
              f"rounds x {o['steps']} steps, {o['threads']} thread(s); glibc malloc "
              f"{'tuned for every contender (see the script)' if o['malloc_tuned'] else 'at its defaults'}. "
              "plain: `AdamW(fused=True)` + `GradScaler` + `clip_grad_norm_`; plain_noguard: without GradScaler "
-             "(no inf/nan check); mixprec_inplace: `clip_in_step=False`.")
+             "(no inf/nan check); mixprec_inplace: `clip_in_step=False`; mixprec_nocache: "
+             "`cache_weight_casts=False` (autocast casts the weights every forward).")
     L.append("")
     L.append(_times_table(o["contenders"], "mixprec", ours_over_this=False))
     L.append("")

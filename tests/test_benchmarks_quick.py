@@ -103,7 +103,7 @@ def test_quick_run_has_every_contender_row(quick_run):
     _, md, _ = quick_run
     sections = {
         "## Single process": ["plain", "mixprec"] + (["accelerate"] if _installed("accelerate") else []),
-        "## Optimizer-bound step": ["plain", "plain_noguard", "mixprec", "mixprec_inplace"],
+        "## Optimizer-bound step": ["plain", "plain_noguard", "mixprec", "mixprec_inplace", "mixprec_nocache"],
         "## DDP, N=2": ["torch_ddp", "mixprec_ddp"] + (["accelerate_ddp"] if _installed("accelerate") else []),
         "### N=1": ["mixprec_single", "torch_fsdp2", "torch_ddp"],
         "### N=2": ["mixprec_ddp", "zero1", "zero2", "zero2_rs", "zero3", "fsdp", "torch_fsdp2", "torch_ddp"],

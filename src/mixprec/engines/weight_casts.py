@@ -44,7 +44,8 @@ between steps; during forward and backward autocast holds such copies anyway), a
 are cached: below that the Python call costs more than the cast it saves.
 
 Used by the replicated engines (single, ddp), whose optimizer steps the model's own
-parameters; the sharded engines keep autocast's casts.
+parameters; the sharded engines keep autocast's casts, and so does a forward that
+``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ class WeightCasts:
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         """What the forward multiplies by: the update's copy when it stands for autocast's
         cast of ``w``, else ``w`` itself (autocast casts it as usual)."""
+        if torch.compiler.is_compiling():
+            return w  # a compiled forward fuses autocast's cast; no Python state in its graph
         e = self.entries.get(id(w))
         if e is None or not e.fresh():
             return w

@@ -228,3 +228,43 @@ def test_use_cast_backward_is_autocasts_cast_backward():
     (gw,) = torch.autograd.grad(out, w, g)
     (ref,) = torch.autograd.grad(w.to(torch.bfloat16), w, g)
     assert gw.dtype == torch.float32 and torch.equal(gw, ref)
+
+
+class _Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(64, 128, 5, padding=2)  # 40960 weights: cached
+        self.c2 = nn.Conv2d(16, 64, 3, padding=1)  # 9216 weights: autocast's cast
+        self.c3 = nn.Conv2d(64, 64, 3, padding=1, padding_mode="reflect")  # 36864: cached
+        self.head = nn.Linear(192, 8)
+
+    def forward(self, x1, x2):
+        a = self.c1(x1).mean(-1)
+        b = self.c3(torch.relu(self.c2(x2))).mean((-1, -2))
+        return self.head(torch.cat([a, b], -1))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_convolutions_bitwise_same_as_autocast_casts(precision):
+    runs = {}
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(4, 64, 12, generator=g), torch.randn(4, 16, 6, 6, generator=g)) for _ in range(4)]
+    for cache in (True, False):
+        torch.manual_seed(0)
+        model = _Convs()
+        acc = Accelerator(mixed_precision=precision, cpu=True, log_policy=False, cache_weight_casts=cache)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        losses = []
+        for x1, x2 in data:
+            loss = model(x1, x2).float().square().mean()
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(repr(loss.item()))
+        runs[cache] = (losses, _weights(model), acc.engine.precision.casts, model)
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    casts, model = runs[True][2], runs[True][3]
+    assert {id(model.c1.weight), id(model.c3.weight)} == set(casts.entries)
+    assert type(model.c2) is nn.Conv2d and repr(model.c1).startswith("Conv1d(")
+    assert type(pickle.loads(pickle.dumps(model.c3))) is nn.Conv2d

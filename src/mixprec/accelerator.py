@@ -145,7 +145,7 @@ class Accelerator(AccelerateApi):
             update applies the clip (default True; the gradients keep their unclipped
             values until ``step()``). False clips in place at once, as torch does.
         cache_weight_casts: single/ddp, bf16/fp16 autocast: the fused update writes the
-            forward's bf16/fp16 copy of each large ``nn.Linear`` weight, so the forward
+            forward's bf16/fp16 copy of each large ``nn.Linear``/``nn.ConvNd`` weight, so the forward
             does not cast it again (default True; same numbers as autocast). False: cast
             in every forward (for loops that write weights through ``p.data``).
 

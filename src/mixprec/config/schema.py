@@ -219,7 +219,8 @@ class MixprecConfig:
     and step."""
     cache_weight_casts: bool = True
     """single/ddp under bf16/fp16 autocast with fp32 weights: the fused optimizer update
-    also writes a bf16/fp16 copy of each large ``nn.Linear`` weight (>= 32768 elements),
+    also writes a bf16/fp16 copy of each large ``nn.Linear``/``nn.Conv{1,2,3}d`` weight
+    (>= 32768 elements),
     and the forward uses it instead of casting the weight again: the same numbers as
     autocast's cast, one pass over the weights fewer per step, for a persistent 2-byte copy
     per cached parameter. The copy is dropped from use whenever the weight is written

@@ -2,13 +2,13 @@
 
 [Note: the update writes the forward's weights]
 Under ``mixed_precision="bf16"`` (or fp16) the weights stay fp32 and autocast casts each
-``nn.Linear`` weight to the compute dtype in every forward: a read of 4 bytes and a write
+``nn.Linear`` (and convolution) weight to the compute dtype in every forward: a read of 4 bytes and a write
 of 2 per parameter, at the point where the step is waiting for it. The fused optimizer
 update (csrc/kernels) already reads every updated weight and can write a low-precision
 copy in the same pass (it does so for the fp32 masters' low-precision params). So for
-each large fp32 weight of a plain ``nn.Linear`` that a fused-eligible optimizer steps,
-:class:`WeightCasts` keeps a compute-dtype copy that the update rewrites, and the Linear's
-forward uses that copy instead of autocast's cast.
+each large fp32 weight of a plain ``nn.Linear`` or ``nn.Conv1d/2d/3d`` that a
+fused-eligible optimizer steps, :class:`WeightCasts` keeps a compute-dtype copy that the
+update rewrites, and the module's forward uses that copy instead of autocast's cast.
 
 Same numbers as autocast, bitwise:
 
@@ -90,7 +90,7 @@ class _Entry:
 
 
 class WeightCasts:
-    """Compute-dtype copies of large fp32 Linear weights, kept current by the fused update
+    """Compute-dtype copies of large fp32 Linear/Conv weights, kept current by the fused update
     (see [Note: the update writes the forward's weights])."""
 
     def __init__(self, dtype: torch.dtype, device_type: str) -> None:
@@ -104,18 +104,20 @@ class WeightCasts:
 
     # ----------------------------------------------------------------- prepare
     def install(self, model: nn.Module, skip: Iterable[nn.Module] = ()) -> int:
-        """Route the large fp32 weights of ``model``'s plain ``nn.Linear`` modules (not in
-        ``skip``) through this cache. Returns how many modules were swapped."""
+        """Route the large fp32 weights of ``model``'s plain ``nn.Linear`` and
+        ``nn.Conv1d/2d/3d`` modules (not in ``skip``) through this cache. Returns how many
+        modules were swapped."""
         skipped = {id(m) for s in skip for m in s.modules()}
         swapped = 0
         for m in model.modules():
-            if type(m) is not nn.Linear or id(m) in skipped:
+            cls = _SWAPS.get(type(m))
+            if cls is None or id(m) in skipped:
                 continue
             w = m.weight
             if not (w.requires_grad and w.dtype == torch.float32 and w.numel() >= MIN_NUMEL):
                 continue
             object.__setattr__(m, "_mixprec_casts", self)
-            m.__class__ = _CachedCastLinear
+            m.__class__ = cls
             self.candidates[id(w)] = w
             swapped += 1
         return swapped
@@ -181,23 +183,39 @@ class WeightCasts:
         return out
 
 
-class _CachedCastLinear(SwappedForward, nn.Linear):
-    """``nn.Linear`` whose forward takes its weight from :class:`WeightCasts`. Named
-    ``Linear`` (repr, class-name patterns); a copy or a pickle of it is a plain Linear."""
+class _CachedCast(SwappedForward):
+    """Mixin of the swapped classes: named as the original (repr, class-name patterns);
+    a copy or a pickle of the module is the plain original class."""
 
     _mixprec_casts: WeightCasts
-    _mixprec_original = nn.Linear  # restore_class (wrappers/model.py) puts it back
     _mixprec_attr = "_mixprec_casts"
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
-        return nn.functional.linear(input, self._mixprec_casts.weight(self.weight), self.bias)
 
     def __reduce_ex__(self, protocol):
         state = {k: v for k, v in self.__dict__.items() if k != "_mixprec_casts"}
         return _rebuild, (type(self)._mixprec_original, state)
 
 
-_CachedCastLinear.__name__ = "Linear"
+class _CachedCastLinear(_CachedCast, nn.Linear):
+    _mixprec_original = nn.Linear  # restore_class (wrappers/model.py) puts it back
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        return nn.functional.linear(input, self._mixprec_casts.weight(self.weight), self.bias)
+
+
+def _conv_class(conv: type) -> type:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        return self._conv_forward(input, self._mixprec_casts.weight(self.weight), self.bias)
+
+    return type(f"_CachedCast{conv.__name__}", (_CachedCast, conv),
+                {"_mixprec_original": conv, "forward": forward, "__module__": __name__})
+
+
+# The module classes whose forward is one autocast low-precision op on (input, weight,
+# bias): exactly these classes (a subclass may use its weight otherwise).
+_SWAPS: dict[type, type] = {nn.Linear: _CachedCastLinear}
+_SWAPS.update({c: _conv_class(c) for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d)})
+for _original, _swapped in _SWAPS.items():
+    _swapped.__name__ = _original.__name__
 
 
 def _rebuild(cls: type, state: dict) -> nn.Module:

@@ -152,8 +152,8 @@ def test_a_weight_written_outside_the_update_falls_back_then_recovers(poison_at)
 
 
 def test_stale_copy_is_not_used_in_forward():
-    acc, model, opt = _prepared("bf16", True)
-    ref_acc, ref, _ = _prepared("bf16", False)
+    _, model, _ = _prepared("bf16", True)
+    _, ref, _ = _prepared("bf16", False)
     x = _data(1)[0][0]
     with torch.no_grad():
         for p, q in zip(model.parameters(), ref.parameters()):

@@ -263,6 +263,11 @@ class Engine:
             total = kernels.l2_norm(grads)
         else:
             total = torch.nn.utils.get_total_norm(grads, norm_type)
+        return self._clip_now(grads, total, max_norm)
+
+    def _clip_now(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
+        """Clip ``grads`` in place by the global norm ``total`` (torch's rule) and record it
+        as this step's norm for every optimizer (the end of every in-place clip)."""
         Precision.clip_(grads, total, max_norm)
         for state in self.optimizers.values():
             state.grad_norm = total

@@ -10,11 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _C
-from ..distributed.structure import check_same_model
 from ..policy import PrecisionPolicy
 from ..wrappers.model import AutocastGate
+from . import comm
 from .base import Engine, OptimizerState
-from .precision import sync_buffers
 
 
 class DDPEngine(Engine):
@@ -42,17 +41,9 @@ class DDPEngine(Engine):
         broadcast_buffers: bool = True,
     ) -> None:
         super().__init__(policy, device, fused_optimizer=fused_optimizer)
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "backend='ddp' needs an initialised torch.distributed process group: start the "
-                "script with `mixprec launch --nproc-per-node N script.py`"
-            )
-        self.group = group if group is not None else dist.group.WORLD  # communication group
-        self.group_name = self.group.group_name  # how C++ resolves it
-        self.world_size = dist.get_world_size(self.group)
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0 (MiB)")
+        # The communication group and the name C++ resolves it by.
+        self.group, self.group_name, self.world_size = comm.process_group(self.name, group)
+        comm.check_bucket_caps(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
         self.reducer_options = _C.ReducerOptions(
             bucket_cap_bytes=int(bucket_cap_mb * 2**20),
             first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20),
@@ -70,12 +61,7 @@ class DDPEngine(Engine):
 
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
         model.to(self.device)
-        check_same_model(model, self.group)  # [Note: structure check at prepare]
-        # Every rank starts from rank 0's weights and buffers, in the dtype they were given
-        # (before any low-precision cast, so fp32 masters are exact everywhere).
-        state = [t.detach() for t in model.parameters()] + [b for b in model.buffers()]
-        with torch.no_grad():
-            _C.broadcast_coalesced(state, self.group_name, 0)
+        comm.start_replicas(model, self.group, self.group_name)
         super().prepare_model(model, gate)
         names, params, targets = [], [], []
         for name, p in model.named_parameters():
@@ -87,8 +73,8 @@ class DDPEngine(Engine):
             raise ValueError(f"{type(model).__name__} has no trainable parameters to train with ddp")
         self.reducers[id(model)] = _C.Reducer(params, targets, names, self.group_name, self.reducer_options)
         self._reduced.update(id(t) for t in targets)
-        if self.broadcast_buffers and any(True for _ in model.buffers()):
-            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(model)
+        if self.broadcast_buffers:
+            comm.install_buffer_sync(model, self.group_name)
         return model
 
     def release(self) -> None:
@@ -128,9 +114,6 @@ class DDPEngine(Engine):
         if not any(s.unscaled for s in self.optimizers.values()):
             self._reducer_checked = False  # found_inf was cleared with it
 
-    def _sync_buffers(self, model: nn.Module) -> None:
-        sync_buffers(model, self.group_name)
-
     def fold_grads(self) -> None:
         # The Reducer's hooks fold low-precision grads into the masters during backward.
         return None
@@ -140,12 +123,8 @@ class DDPEngine(Engine):
         reducer = self.reducers.get(id(model))
         if reducer is None:
             raise ValueError(f"no_sync() got a model that this accelerator did not prepare: {type(model).__name__}")
-        previous = reducer.sync
-        reducer.set_sync(False)
-        try:
+        with comm.sync_off([reducer]):
             yield
-        finally:
-            reducer.set_sync(previous)
 
     def bytes_reduced_last_backward(self) -> int:
         """Gradient bytes all-reduced by the last synchronising backward (all models)."""

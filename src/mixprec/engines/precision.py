@@ -249,10 +249,3 @@ class Precision:
             float(state["scale"]), int(state["_growth_tracker"]), int(state.get("_hysteresis_left", 1))
         )
 
-
-def sync_buffers(model: nn.Module, group_name: str) -> None:
-    """Rank 0's buffers to every rank before a forward that records grads (ddp, zero)."""
-    buffers = list(model.buffers())
-    if buffers and torch.is_grad_enabled():
-        with torch.no_grad():
-            _C.broadcast_coalesced(buffers, group_name, 0)

@@ -50,7 +50,7 @@ parameters; the sharded engines keep autocast's casts, and so does a forward tha
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -64,7 +64,7 @@ class _UseCast(torch.autograd.Function):
     """``weight.to(dtype)`` in the graph, with the value the update already wrote."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def forward(ctx, weight: torch.Tensor, copy: torch.Tensor) -> torch.Tensor:
         # An alias, not ``copy`` itself: autograd would make a returned input a view, and
         # then forbid the update's in-place write to its base. The alias shares the copy's
         # version counter, so a graph that saved it notices the update.
@@ -76,7 +76,7 @@ class _UseCast(torch.autograd.Function):
 
 
 class _Entry:
-    __slots__ = ("param", "copy", "version", "ptr")
+    __slots__ = ("copy", "param", "ptr", "version")
 
     def __init__(self, param: torch.Tensor, dtype: torch.dtype) -> None:
         self.param = param
@@ -99,7 +99,7 @@ class WeightCasts:
         self.candidates: dict[int, torch.Tensor] = {}  # id(weight) -> weight of a swapped Linear
         self.entries: dict[int, _Entry] = {}  # id(weight) -> its copy, once an optimizer holds it
         self.targets: dict[int, torch.Tensor] = {}  # id(weight) -> copy: what the update writes
-        self._memo: Optional[dict[int, torch.Tensor]] = None  # this forward's graph nodes
+        self._memo: dict[int, torch.Tensor] | None = None  # this forward's graph nodes
         self._depth = 0
 
     # ----------------------------------------------------------------- prepare
@@ -198,12 +198,12 @@ class _CachedCast(SwappedForward):
 class _CachedCastLinear(_CachedCast, nn.Linear):
     _mixprec_original = nn.Linear  # restore_class (wrappers/model.py) puts it back
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(input, self._mixprec_casts.weight(self.weight), self.bias)
 
 
 def _conv_class(conv: type) -> type:
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self._conv_forward(input, self._mixprec_casts.weight(self.weight), self.bias)
 
     return type(f"_CachedCast{conv.__name__}", (_CachedCast, conv),

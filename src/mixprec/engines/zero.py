@@ -22,12 +22,11 @@ from torch import nn
 
 from .. import _C, kernels
 from ..checkpoint.format import model_prefix
-from ..distributed.structure import check_same_model
 from ..policy import PrecisionPolicy, ScalerConfig
 from ..step import StepResult, check_clip_limit
 from ..wrappers.model import AutocastGate
+from . import comm
 from .base import Engine, OptimizerState, _dominant_dtype
-from .precision import Precision, sync_buffers
 from .sharded import Segment, build_segments, check_optimizer
 from .units import (
     LeafSpec,
@@ -67,11 +66,7 @@ class ZeroEngine(Engine):
         max_inflight_buckets: int = 2,
     ) -> None:
         backend = self.name  # zero1 / zero2 / zero3 / fsdp: the name errors echo
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                f"backend={backend!r} needs an initialised torch.distributed process group: start "
-                "the script with `mixprec launch --nproc-per-node N script.py`"
-            )
+        group, group_name, world_size = comm.process_group(backend, group)
         if policy.master_dtype is None:
             raise ValueError(
                 f"backend={backend!r} keeps fp32 master shards; mixed_precision={policy.name!r} "
@@ -81,18 +76,15 @@ class ZeroEngine(Engine):
             raise ValueError(f"loss_scaler={loss_scaler!r} must be 'torch' or 'deepspeed'")
         if loss_scaler == "deepspeed" and policy.loss_scaling:
             policy = dataclasses.replace(policy, scaler=DEEPSPEED_SCALER)
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0 (MiB)")
+        comm.check_bucket_caps(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
         if isinstance(max_inflight_buckets, bool) or not isinstance(max_inflight_buckets, int) \
                 or max_inflight_buckets < 1:
             raise ValueError(f"max_inflight_buckets={max_inflight_buckets!r} must be an int >= 1 "
                              "(gradient buckets reduced at once during backward; default 2)")
         super().__init__(policy, device, fused_optimizer=fused_optimizer)
         self.backend = backend
-        self.group = group if group is not None else dist.group.WORLD  # communication group
-        self.group_name = self.group.group_name  # how C++ resolves it
-        self.world_size = dist.get_world_size(self.group)
+        # The communication group and the name C++ resolves it by.
+        self.group, self.group_name, self.world_size = group, group_name, world_size
         self.options = _C.ShardOptions(
             stage=self.stage, bucket_cap_bytes=int(bucket_cap_mb * 2**20),
             first_bucket_cap_bytes=int(first_bucket_cap_mb * 2**20), collective=collective,
@@ -113,11 +105,7 @@ class ZeroEngine(Engine):
     # ------------------------------------------------------------------ models
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
         model.to(self.device)
-        check_same_model(model, self.group)  # [Note: structure check at prepare]
-        # Every rank starts from rank 0's weights and buffers, before any cast (exact masters).
-        state = [t.detach() for t in model.parameters()] + list(model.buffers())
-        with torch.no_grad():
-            _C.broadcast_coalesced(state, self.group_name, 0)
+        comm.start_replicas(model, self.group, self.group_name)
         fp32_modules = self.precision.fp32_modules(model)
         fp32_ids = {id(p) for m in fp32_modules for p in m.parameters()}
         target = self.policy.param_dtype
@@ -146,9 +134,8 @@ class ZeroEngine(Engine):
         self._install_units(model, cores)
         ctx = self.precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads)
         ctx.explain_error = self._error_explainer(model)
-        if self.broadcast_buffers and any(True for _ in model.buffers()):
-            ref = weakref.ref(model)  # [Note: no reference cycles] in units.py
-            model._mixprec_ctx.pre_forward = lambda: self._sync_buffers(ref())
+        if self.broadcast_buffers:
+            comm.install_buffer_sync(model, self.group_name)
         return model
 
     def _partition(self, model: nn.Module, names: list[str], params: list[torch.Tensor]) -> list[list[int]]:
@@ -173,9 +160,6 @@ class ZeroEngine(Engine):
         self.core_params.clear()
         self.core_of_param.clear()
         self.cores_of_opt.clear()
-
-    def _sync_buffers(self, model: nn.Module) -> None:
-        sync_buffers(model, self.group_name)
 
     def _cores(self, model: nn.Module) -> list[_C.ShardedCore]:
         cores = self.cores.get(id(model))
@@ -286,28 +270,15 @@ class ZeroEngine(Engine):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
-        cores = self._cores(model)
-        previous = [c.sync for c in cores]
-        for c in cores:
-            c.set_sync(False)
-        try:
+        with comm.sync_off(self._cores(model)):
             yield
-        finally:
-            for c, prev in zip(cores, previous):
-                c.set_sync(prev)
 
     @contextlib.contextmanager
     def coalesce_grad_reduction(self, *models: nn.Module):
         """Several backward calls inside, one reduction (in bucket order) on exit."""
         cores = [c for m in models for c in self._cores(m)] if models else self._all_cores()
-        previous = [c.sync for c in cores]
-        for c in cores:
-            c.set_sync(False)
-        try:
+        with comm.sync_off(cores):
             yield
-        finally:
-            for c, prev in zip(cores, previous):
-                c.set_sync(prev)
         for c in cores:
             c.reduce()
 
@@ -371,10 +342,7 @@ class ZeroEngine(Engine):
         total = (packet[0] if p == math.inf else packet[0] ** (1.0 / p)).float()
         if deferred:
             return self._defer_clip(total, max_norm, unscaled)
-        Precision.clip_(grads, total, max_norm)
-        for state in self.optimizers.values():
-            state.grad_norm = total
-        return total
+        return self._clip_now(grads, total, max_norm)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         # Element-wise: clamping the owned shard is clamping the whole gradient.

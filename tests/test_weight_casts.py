@@ -268,3 +268,25 @@ def test_convolutions_bitwise_same_as_autocast_casts(precision):
     assert {id(model.c1.weight), id(model.c3.weight)} == set(casts.entries)
     assert type(model.c2) is nn.Conv2d and repr(model.c1).startswith("Conv1d(")
     assert type(pickle.loads(pickle.dumps(model.c3))) is nn.Conv2d
+
+
+def test_free_memory_drops_the_copies_and_a_new_prepare_uses_new_ones():
+    acc, model, opt = _prepared("bf16", True)
+    _train(acc, model, opt, n=1)
+    old = acc.engine.precision.casts
+    x = _data(1)[0][0]
+    model, opt = acc.free_memory(model, opt)
+    assert old.entries == {} and old.targets == {}  # the copies are not kept alive
+    torch.manual_seed(0)
+    model = _model()
+    ref = copy.deepcopy(model)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(acc, model, opt, n=2)
+    assert acc.engine.precision.casts is not old and len(acc.engine.precision.casts.entries) == 2
+    assert _uses_copies(model, x) == 2
+    # The same module prepared again by another Accelerator answers to the new one.
+    other = Accelerator(mixed_precision="bf16", cpu=True, log_policy=False)
+    ref, ref_opt = other.prepare(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    again = Accelerator(mixed_precision="bf16", cpu=True, log_policy=False)
+    ref, ref_opt = again.prepare(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    assert ref[0]._mixprec_casts is again.engine.precision.casts

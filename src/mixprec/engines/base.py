@@ -117,7 +117,10 @@ class Engine:
         self.precision.set_nonfinite_policy(policy)
 
     def release(self) -> None:
-        """Drop what holds the process group (end of training); the engine is unusable after."""
+        """Drop what holds the process group (end of training) and the forward's weight
+        copies; the engine is unusable after."""
+        if self.precision.casts is not None:
+            self.precision.casts.release()
 
     # ------------------------------------------------------------------ models
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:

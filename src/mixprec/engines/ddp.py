@@ -79,6 +79,7 @@ class DDPEngine(Engine):
 
     def release(self) -> None:
         self.reducers.clear()  # their destructors remove the gradient hooks
+        super().release()
 
     def _unscale_local(self, state: OptimizerState) -> None:
         # [Note: non-finite check in the copy-in] (csrc/engines/replicated/reducer.h): the

@@ -110,7 +110,9 @@ class WeightCasts:
         skipped = {id(m) for s in skip for m in s.modules()}
         swapped = 0
         for m in model.modules():
-            cls = _SWAPS.get(type(m))
+            # A module swapped for an earlier engine (prepared again after free_memory, or
+            # by another Accelerator) now answers to this one.
+            cls = type(m) if isinstance(m, _CachedCast) else _SWAPS.get(type(m))
             if cls is None or id(m) in skipped:
                 continue
             w = m.weight
@@ -121,6 +123,13 @@ class WeightCasts:
             self.candidates[id(w)] = w
             swapped += 1
         return swapped
+
+    def release(self) -> None:
+        """Drop every copy (the engine is released): the swapped modules fall back to
+        autocast's casts until a new engine prepares them."""
+        self.candidates.clear()
+        self.entries.clear()
+        self.targets.clear()
 
     def track(self, params: Iterable[torch.Tensor]) -> None:
         """The optimizer stepping these params will keep their copies current."""

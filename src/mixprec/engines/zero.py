@@ -160,6 +160,7 @@ class ZeroEngine(Engine):
         self.core_params.clear()
         self.core_of_param.clear()
         self.cores_of_opt.clear()
+        super().release()
 
     def _cores(self, model: nn.Module) -> list[_C.ShardedCore]:
         cores = self.cores.get(id(model))

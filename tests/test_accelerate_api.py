@@ -409,3 +409,31 @@ def test_custom_tracker_object(tmp_path):
     acc.log({"x": 2}, step=0)
     acc.end_training()
     assert mine.rows == [("config", {"a": 1}), (0, {"x": 2}), "finished"]
+
+
+def test_prepared_model_pickles_as_the_users_class_and_deepcopies_prepared():
+    """torch.save(model) of a prepared model (Accelerate allows it) stores the user's own
+    classes: it loads without mixprec, as a module never prepared. A deepcopy (an EMA copy)
+    keeps the policy's forward."""
+    import copy
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 4))
+    acc = Accelerator(mixed_precision="bf16", cpu=True, log_policy=False, keep_fp32_modules=("LayerNorm",))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    acc.backward(model(torch.randn(2, 256)).float().sum())
+    opt.step()
+    assert b"mixprec" not in pickle.dumps(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert [type(m) for m in loaded.modules()] == [torch.nn.Sequential, torch.nn.Linear, torch.nn.LayerNorm,
+                                                   torch.nn.Linear]
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    twin = copy.deepcopy(model)
+    x = torch.randn(3, 256)
+    assert hasattr(twin, "_mixprec_ctx") and twin(x).dtype == torch.float32
+    assert torch.equal(twin(x), model(x)) and twin[0].weight is not model[0].weight

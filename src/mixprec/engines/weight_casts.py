@@ -194,14 +194,10 @@ class WeightCasts:
 
 class _CachedCast(SwappedForward):
     """Mixin of the swapped classes: named as the original (repr, class-name patterns);
-    a copy or a pickle of the module is the plain original class."""
+    a copy or a pickle of the module is the plain original class (SwappedForward)."""
 
     _mixprec_casts: WeightCasts
     _mixprec_attr = "_mixprec_casts"
-
-    def __reduce_ex__(self, protocol):
-        state = {k: v for k, v in self.__dict__.items() if k != "_mixprec_casts"}
-        return _rebuild, (type(self)._mixprec_original, state)
 
 
 class _CachedCastLinear(_CachedCast, nn.Linear):
@@ -225,9 +221,3 @@ _SWAPS: dict[type, type] = {nn.Linear: _CachedCastLinear}
 _SWAPS.update({c: _conv_class(c) for c in (nn.Conv1d, nn.Conv2d, nn.Conv3d)})
 for _original, _swapped in _SWAPS.items():
     _swapped.__name__ = _original.__name__
-
-
-def _rebuild(cls: type, state: dict) -> nn.Module:
-    module = cls.__new__(cls)
-    module.__setstate__(state)
-    return module

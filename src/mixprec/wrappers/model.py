@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import threading
 from typing import Any, Callable, Optional
 
@@ -158,10 +159,36 @@ class ForwardContext:
 class SwappedForward:
     """Base of every class mixprec swaps a module's class to (:func:`restore_class` undoes
     it): ``_mixprec_original`` is the class to put back, ``_mixprec_attr`` the instance
-    attribute the swap added."""
+    attribute the swap added.
+
+    A pickle of such a module (``torch.save(model)``) is the user's own class, without the
+    swap: it loads where mixprec is not installed, as a module that was never prepared.
+    A ``copy.deepcopy`` keeps the swap when ``_mixprec_copy_keeps_swap`` (the policy's
+    forward: an EMA copy runs under the same policy, see ForwardContext.__deepcopy__) and
+    is the plain class otherwise."""
 
     _mixprec_original: type
     _mixprec_attr: str
+    _mixprec_copy_keeps_swap = False
+
+    def __reduce_ex__(self, protocol):
+        state = self.__getstate__()
+        state.pop(type(self)._mixprec_attr, None)
+        # copyreg._reconstructor: object.__new__(original) then __setstate__, by a stdlib
+        # name (pickle's __newobj__ insists on the object's own class).
+        return copyreg._reconstructor, (type(self)._mixprec_original, object, None), state
+
+    def __deepcopy__(self, memo):
+        swapped = type(self)
+        keep = swapped._mixprec_copy_keeps_swap
+        cls = swapped if keep else swapped._mixprec_original
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        state = self.__getstate__()
+        if not keep:
+            state.pop(swapped._mixprec_attr, None)
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
 
 
 class _MixprecForward(SwappedForward):
@@ -169,6 +196,7 @@ class _MixprecForward(SwappedForward):
 
     _mixprec_ctx: ForwardContext
     _mixprec_attr = "_mixprec_ctx"
+    _mixprec_copy_keeps_swap = True
 
     def forward(self, *args, **kwargs):  # noqa: D401
         return self._mixprec_ctx.run(super().forward, args, kwargs)

@@ -290,3 +290,23 @@ def test_free_memory_drops_the_copies_and_a_new_prepare_uses_new_ones():
     again = Accelerator(mixed_precision="bf16", cpu=True, log_policy=False)
     ref, ref_opt = again.prepare(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
     assert ref[0]._mixprec_casts is again.engine.precision.casts
+
+
+def test_resume_from_checkpoint_matches_autocast_casts(tmp_path):
+    # load_state writes the weights in place: the fresh run's copies (cast from its initial
+    # weights at prepare) go stale, the forward casts, and the first step re-casts them.
+    runs = {}
+    for cache in (True, False):
+        acc, model, opt = _prepared("bf16", cache)
+        _train(acc, model, opt, n=2)
+        acc.save_state(str(tmp_path / f"ckpt{cache}"))
+        acc2, model2, opt2 = _prepared("bf16", cache)
+        acc2.load_state(str(tmp_path / f"ckpt{cache}"))
+        if cache:
+            assert _uses_copies(model2, _data(1)[0][0]) == 0  # stale: autocast's cast
+        log = _train(acc2, model2, opt2, n=3)
+        if cache:
+            assert _uses_copies(model2, _data(1)[0][0]) == 2
+        runs[cache] = (log, _weights(model2))
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))

@@ -26,6 +26,7 @@ from ..policy import PrecisionPolicy
 from ..step import DeviceScalars, StepResult, check_clip_limit
 from ..wrappers.model import AutocastGate
 from .precision import Precision
+from .replicated_state import replicated_load_state_shards, replicated_state_shards
 
 logger = logging.getLogger("mixprec")
 
@@ -590,44 +591,16 @@ class Engine:
         and the flat local tensor; ``replicated=True`` means every rank holds the same whole
         tensor (only rank 0 writes it). Sharded engines override this with their slices.
 
-        This base implementation (single, ddp) returns whole, replicated tensors.
+        The replicated engines (single, ddp) return whole tensors
+        (engines/replicated_state.py).
 
         Example::
 
             shards = engine.state_shards([model], [optimizer])
             shards[0].name, shards[0].shape      # ('model/0.weight', (64, 16))
         """
-        from ..checkpoint.format import Shard, model_prefix
-
         self._require_replicated("save_state")
-        shards, key_of = [], {}
-        for i, model in enumerate(models):
-            prefix = model_prefix(i)
-            for name, t in model.state_dict(keep_vars=True).items():
-                src = self.master_of.get(id(t), t)
-                key_of.setdefault(id(src), (prefix + name)[len("model/"):])
-                src = src.detach()
-                shards.append(Shard(prefix + name, tuple(src.shape), src.dtype, 0, src.reshape(-1), True))
-        for j, optimizer in enumerate(optimizers):
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    key = key_of.get(id(p))
-                    if key is None:
-                        raise ValueError(
-                            f"optimizer {j} holds a parameter of shape {tuple(p.shape)} that belongs "
-                            "to no prepared model; prepare the model that owns it before saving"
-                        )
-                    for skey, value in optimizer.state.get(p, {}).items():
-                        if not isinstance(value, torch.Tensor):
-                            if not isinstance(value, (int, float, bool)):
-                                raise ValueError(
-                                    f"optimizer {j} state {key}/{skey} is a {type(value).__name__} "
-                                    f"({value!r}); checkpoints hold tensors and numbers only"
-                                )
-                            value = torch.tensor(value)
-                        v = value.detach()
-                        shards.append(Shard(f"optim/{j}/{key}/{skey}", tuple(v.shape), v.dtype, 0, v.reshape(-1), True))
-        return shards
+        return replicated_state_shards(self, models, optimizers)
 
     def load_state_shards(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], read) -> None:
         """Load what :meth:`state_shards` names from a checkpoint, whatever wrote it.
@@ -638,49 +611,14 @@ class Engine:
         everything it needs BEFORE changing anything, so a failure loads nothing. Sharded
         engines override this to read only their slices.
 
-        This base implementation (single, ddp) reads whole tensors, copies them into the
-        fp32 masters / parameters / buffers, refreshes the low-precision parameters from
-        the masters, and gives each optimizer its state (keyed by parameter name).
+        The replicated engines (single, ddp) read whole tensors (engines/replicated_state.py).
 
         Example::
 
             engine.load_state_shards([model], [optimizer], reader)
         """
-        from ..checkpoint.format import model_prefix, numel_of
-
         self._require_replicated("load_state")
-
-        def whole(name: str) -> torch.Tensor:
-            shape = read.index[name][0]
-            return read(name, 0, numel_of(shape)).reshape(shape)
-
-        staged, key_of = [], {}
-        for i, model in enumerate(models):
-            prefix = model_prefix(i)
-            for name, t in model.state_dict(keep_vars=True).items():
-                dst = self.master_of.get(id(t), t)
-                key_of.setdefault(id(dst), (prefix + name)[len("model/"):])
-                staged.append((dst, whole(prefix + name)))
-        optim_states = []
-        for j, optimizer in enumerate(optimizers):
-            state, groups, index = {}, [], 0
-            for group in optimizer.param_groups:
-                groups.append({**{k: v for k, v in group.items() if k != "params"},
-                               "params": list(range(index, index + len(group["params"])))})
-                for p in group["params"]:
-                    head = f"optim/{j}/{key_of[id(p)]}/"
-                    entries = {n[len(head):]: whole(n) for n in read.index if n.startswith(head) and "/" not in n[len(head):]}
-                    if entries:
-                        state[index] = entries
-                    index += 1
-            optim_states.append({"state": state, "param_groups": groups})
-        with torch.no_grad():
-            for dst, src in staged:
-                dst.copy_(src)
-            self.precision.refresh_lowp()
-        for optimizer, sd in zip(optimizers, optim_states):
-            optimizer.load_state_dict(sd)
-
+        replicated_load_state_shards(self, models, optimizers, read)
 
 def _dominant_dtype(model: nn.Module) -> Optional[torch.dtype]:
     """dtype most floating parameters of ``model`` have (None when it has none)."""

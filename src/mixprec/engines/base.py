@@ -435,19 +435,11 @@ class Engine:
         update = precision.ends_iteration(id(optimizer), self.optimizers)
         keep_found_inf = torch.empty(1, dtype=torch.float32, device=self.device)
         keep_scale = None if self.scaler is None else torch.empty(1, dtype=torch.float32, device=self.device)
-        casts = precision.casts
-        if casts is not None:
-            casts.before_update()
-        if not kernels.fused_optimizer_step(
-                optimizer, lowp_of=self._update_lowp_of(), inv_scale=state.grad_scale,
-                found_inf=self.found_inf, scaler=self.scaler, update_scaler=update,
-                keep_found_inf=keep_found_inf, keep_scale=keep_scale, **self._step_finish(state)):
+        if not self._fused_update(
+                optimizer, inv_scale=state.grad_scale, found_inf=self.found_inf, scaler=self.scaler,
+                update_scaler=update, keep_found_inf=keep_found_inf, keep_scale=keep_scale,
+                **self._step_finish(state)):
             return None
-        if casts is not None:
-            casts.after_update()
-        # LRScheduler watches optimizer.step() through this flag to warn about calling
-        # scheduler.step() first; the fused path did step.
-        optimizer._opt_called = True
         state.unscaled = True
         precision.after_step(id(optimizer), self.optimizers, updated=update)
         state.count_skip(keep_found_inf)
@@ -463,6 +455,23 @@ class Engine:
     def _update_lowp_of(self) -> dict:
         """id(optimizer param) -> the low-precision tensor the fused update writes."""
         return self.precision.update_targets()
+
+    def _fused_update(self, optimizer: torch.optim.Optimizer, **kwargs) -> bool:
+        """``kernels.fused_optimizer_step`` writing this engine's low-precision targets;
+        False when the kernels declined the optimizer (nothing done). The forward's weight
+        copies are made current before it and marked current after ([Note: the update
+        writes the forward's weights] in engines/weight_casts.py)."""
+        casts = self.precision.casts
+        if casts is not None:
+            casts.before_update()
+        if not kernels.fused_optimizer_step(optimizer, lowp_of=self._update_lowp_of(), **kwargs):
+            return False
+        if casts is not None:
+            casts.after_update()
+        # LRScheduler watches optimizer.step() through this flag to warn about calling
+        # scheduler.step() first; the fused path did step.
+        optimizer._opt_called = True
+        return True
 
     def _step_decided_on_host(self, state: OptimizerState, skip_reason: str, fused: bool) -> StepResult:
         """The step when the host must know the outcome first (one read of found_inf)."""
@@ -517,16 +526,7 @@ class Engine:
         pending gradient factor ([Note: clip inside the update]) goes into the kernel."""
         if closure is None and fused:
             factor = None if state is None else state.grad_scale
-            casts = self.precision.casts
-            if casts is not None:
-                casts.before_update()
-            if kernels.fused_optimizer_step(optimizer, lowp_of=self._update_lowp_of(), inv_scale=factor,
-                                            found_inf=found_inf):
-                if casts is not None:
-                    casts.after_update()
-                # LRScheduler watches optimizer.step() through this flag to warn about
-                # calling scheduler.step() first; the fused path did step.
-                optimizer._opt_called = True
+            if self._fused_update(optimizer, inv_scale=factor, found_inf=found_inf):
                 return
         if found_inf is not None and bool(found_inf.item()):
             return  # the fused kernels declined this state layout: decided on the host

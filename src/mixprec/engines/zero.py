@@ -370,9 +370,7 @@ class ZeroEngine(Engine):
                       state: Optional[OptimizerState] = None) -> None:
         refresh = True
         factor = None if state is None else state.grad_scale
-        if fused and kernels.fused_optimizer_step(
-                optimizer, lowp_of=self.segment_lowp, inv_scale=factor, found_inf=found_inf):
-            optimizer._opt_called = True  # the LRScheduler order check watches this flag
+        if fused and self._fused_update(optimizer, inv_scale=factor, found_inf=found_inf):
             refresh = False  # the fused kernel already wrote the low-precision shards
         elif found_inf is not None and bool(found_inf.item()):
             return  # declined by the fused kernels and skipped: decided on the host

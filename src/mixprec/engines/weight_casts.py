@@ -50,6 +50,7 @@ parameters; the sharded engines keep autocast's casts, and so does a forward tha
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -99,8 +100,9 @@ class WeightCasts:
         self.candidates: dict[int, torch.Tensor] = {}  # id(weight) -> weight of a swapped Linear
         self.entries: dict[int, _Entry] = {}  # id(weight) -> its copy, once an optimizer holds it
         self.targets: dict[int, torch.Tensor] = {}  # id(weight) -> copy: what the update writes
-        self._memo: dict[int, torch.Tensor] | None = None  # this forward's graph nodes
-        self._depth = 0
+        # This thread's forward: its graph nodes per weight and the nesting depth (a
+        # forward run in another thread has its own, as autocast's cast cache is per thread).
+        self._local = threading.local()
 
     # ----------------------------------------------------------------- prepare
     def install(self, model: nn.Module, skip: Iterable[nn.Module] = ()) -> int:
@@ -161,14 +163,17 @@ class WeightCasts:
     # ----------------------------------------------------------------- forward
     def begin(self) -> None:
         """A prepared model's forward starts (the memo's lifetime, see the Note)."""
-        if self._depth == 0:
-            self._memo = {} if torch.is_autocast_cache_enabled() else None
-        self._depth += 1
+        local = self._local
+        depth = getattr(local, "depth", 0)
+        if depth == 0:
+            local.memo = {} if torch.is_autocast_cache_enabled() else None
+        local.depth = depth + 1
 
     def end(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._memo = None
+        local = self._local
+        local.depth -= 1
+        if local.depth == 0:
+            local.memo = None
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         """What the forward multiplies by: the update's copy when it stands for autocast's
@@ -183,7 +188,7 @@ class WeightCasts:
             return w
         if not (torch.is_grad_enabled() and w.requires_grad):
             return e.copy
-        memo = self._memo
+        memo = getattr(self._local, "memo", None)
         if memo is None:
             return _UseCast.apply(w, e.copy)
         out = memo.get(id(w))

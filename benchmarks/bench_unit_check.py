@@ -38,7 +38,7 @@ def _rank(state, backend: str, units: int, dim: int, rounds: int, steps: int) ->
     acc = Accelerator(mixed_precision="bf16", backend=backend, log_policy=False,
                       engine_options={"units": ["Block"]})
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    runner = acc.engine.runners[id(model)]
+    runner = acc.engine.comm.runners[id(model)]
     check = runner.check_order
     calls = {"n": 0}
     counting = lambda index: (calls.__setitem__("n", calls["n"] + 1), check(index))  # noqa: E731

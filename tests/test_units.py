@@ -193,7 +193,7 @@ def test_zero_reduces_in_the_policys_reduce_dtype(backend):
         acc.engine.reset_comm_counters()
         acc.backward(model(torch.randn(8, 16, generator=torch.Generator().manual_seed(1))).square().mean())
         acc.engine.fold_grads()
-        grads = torch.cat([g.flatten() for g in acc.engine._all_segment_grads()]).clone()
+        grads = torch.cat([g.flatten() for g in acc.engine.comm.all_segment_grads()]).clone()
         sent = acc.engine.comm_counters()["bytes_reduced"]
         acc.end_training()
         return grads, sent

@@ -60,6 +60,7 @@ void init_sharded(py::module_& m) {
       .def("refresh_lowp", &ShardedCore::refresh_lowp)
       .def("param_buffer_bytes", &ShardedCore::param_buffer_bytes)
       .def("full_masters", &ShardedCore::full_masters, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("params", &ShardedCore::params)
       .def_property_readonly("master_shard", &ShardedCore::master_shard)
       .def_property_readonly("grad_shard", &ShardedCore::grad_shard)
       .def_property_readonly("lowp_shards", &ShardedCore::lowp_shards)

@@ -32,7 +32,7 @@ from .config.fields import DTYPES
 from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
 from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
-from .engines import resolve_backend
+from .engines import Engine, resolve_backend
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
@@ -254,36 +254,36 @@ class Accelerator(AccelerateApi):
         creates_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.state: DistributedState = init_distributed(_pick_device(device, cfg.cpu), timeout=timeout)
         self.device = self.state.device
-        engine_cls = resolve_backend(cfg.backend, self.state.world_size)
-        if engine_cls.distributed and self.state.group is None:
+        comm_cls = resolve_backend(cfg.backend, self.state.world_size)
+        if comm_cls.distributed and self.state.group is None:
             self.state = init_single_process_group(self.state, timeout=timeout)
         if creates_group and self.state.group is not None:
             _CREATED_GROUPS.add(self.state.group.group_name)
         self._ended = False
         _LIVE.add(self)
-        if engine_cls.name == "ddp" and compat.ddp_options:
+        if comm_cls.name == "ddp" and compat.ddp_options:
             # DistributedDataParallelKwargs apply to the ddp engine only (as in Accelerate).
             options = {**compat.ddp_options, **options}
-        if engine_cls.name != self.config.backend or (engine_cls.name == "ddp" and compat.ddp_options):
+        if comm_cls.name != self.config.backend or (comm_cls.name == "ddp" and compat.ddp_options):
             self.config = resolve_config(config, args=args, engine_options=options,
                                          world_size=self.state.world_size)
         check_device_supports(self.device, self.policy)
         options = self.config.engine_options()
-        if engine_cls.distributed:
+        if comm_cls.distributed:
             options["group"] = group if group is not None else self.state.group
         try:
-            self.engine = engine_cls(self.policy, self.device, fused_optimizer=cfg.fused_optimizer, **options)
+            self.engine = Engine(self.policy, self.device, comm_cls, fused_optimizer=cfg.fused_optimizer, **options)
         except BaseException:
             if creates_group:  # nothing else will tear down the group made for this engine
                 destroy_distributed(self.state)
             raise
-        self._engine_args = (engine_cls, cfg.fused_optimizer, options)  # free_memory() builds anew
+        self._engine_args = (comm_cls, cfg.fused_optimizer, options)  # free_memory() builds anew
         self.engine.set_nonfinite_policy(cfg.nonfinite_grads)
         self.engine.clip_in_step = cfg.clip_in_step
         self.engine.cache_weight_casts = cfg.cache_weight_casts
         # Accelerate's attribute names over the same DistributedState (compat/state.py).
         self.state = AcceleratorState.from_state(self.state, mixed_precision=self.policy.name,
-                                                 backend_name=engine_cls.name)
+                                                 backend_name=comm_cls.name)
         self.split_batches = cfg.split_batches
         self.even_batches = cfg.even_batches
         self.data_seed = cfg.data_seed
@@ -320,10 +320,10 @@ class Accelerator(AccelerateApi):
 
     def _renew_engine(self) -> None:
         """free_memory(): a fresh engine of the same kind, the old one's buffers released."""
-        engine_cls, fused, options = self._engine_args
+        comm_cls, fused, options = self._engine_args
         old = self.engine
         old.release()
-        self.engine = engine_cls(self.policy, self.device, fused_optimizer=fused, **options)
+        self.engine = Engine(self.policy, self.device, comm_cls, fused_optimizer=fused, **options)
         self.engine.set_nonfinite_policy(old.nonfinite_grads)
         self.engine.clip_in_step = old.clip_in_step
         self.engine.cache_weight_casts = old.cache_weight_casts

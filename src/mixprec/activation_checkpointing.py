@@ -195,8 +195,8 @@ def plan(model: nn.Module, options: ActivationCheckpointingOptions, engine: Any)
     engine prepares the model, so a bad value leaves the model untouched)."""
     units = None
     if options.units:
-        spec = getattr(engine, "units_spec", None)
-        if not hasattr(engine, "units_spec"):
+        spec = getattr(engine.comm, "units_spec", None)
+        if spec is None:
             raise ConfigError(
                 f"activation_checkpointing.units=true checkpoints the sharding units of zero3/fsdp, but "
                 f"the backend is {engine.name!r}, which has no units; name the modules instead "

@@ -157,7 +157,7 @@ def _buckets(state):
     acc = Accelerator(backend="ddp", cpu=True, log_policy=False,
                       engine_options={"first_bucket_cap_mb": 10e3 / 2**20, "bucket_cap_mb": 40e3 / 2**20})
     model = acc.prepare(model)
-    return acc.engine.reducers[id(model)].bucket_indices()
+    return acc.engine.comm.reducers[id(model)].bucket_indices()
 
 
 def test_buckets_in_reverse_order_with_a_small_first_bucket():
@@ -215,7 +215,7 @@ def _copy_in_check(state, where, reduce_bf16):
     acc = Accelerator(policy=policy, backend="ddp", cpu=True, log_policy=False,
                       engine_options={"first_bucket_cap_mb": 10e3 / 2**20, "bucket_cap_mb": 40e3 / 2**20})
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    reducer = acc.engine.reducers[id(model)]
+    reducer = acc.engine.comm.reducers[id(model)]
     params = list(model.parameters())
     # The last layer's weight is reduced in the first bucket; the first layer's weight in
     # the last one (the bucket that carries the flag).
@@ -274,7 +274,7 @@ def _stale_flag(state):
     torch.manual_seed(0)
     acc = Accelerator(mixed_precision="bf16", backend="ddp", cpu=True, log_policy=False)
     model = acc.prepare(nn.Linear(8, 8))
-    reducer = acc.engine.reducers[id(model)]
+    reducer = acc.engine.comm.reducers[id(model)]
     x = torch.randn(4, 8)
     acc.backward(model(x).sum())
     fresh = reducer.take_nonfinite_check() is not None

@@ -67,7 +67,7 @@ for _ in range(2):  # two Accelerators in one process, as notebooks and sweeps d
             opt.step()
             opt.zero_grad()
     engine = acc.engine
-    held = list(engine.reducers.values()) if hasattr(engine, "reducers") else engine._all_cores()
+    held = list(engine.comm.reducers.values()) if hasattr(engine.comm, "reducers") else engine.comm.all_cores()
     refs.extend(weakref.ref(o) for o in held)
     del held, engine
 acc.save_model(model, str(out / "export"))

@@ -171,8 +171,8 @@ def _memory(state, name):
     with acc.engine.full_params(model):  # read the parameters outside forward
         readable = all(p.equal(state[n]) for n, p in model.named_parameters())
     assert readable and acc.engine.param_buffer_bytes() == 0
-    masters = sum(c.master_shard.numel() * 4 for c in acc.engine._all_cores())
-    padded = sum(c.padded_numel * 4 for c in acc.engine._all_cores())
+    masters = sum(c.master_shard.numel() * 4 for c in acc.engine.comm.all_cores())
+    padded = sum(c.padded_numel * 4 for c in acc.engine.comm.all_cores())
     shapes = [tuple(p.shape) for p in model.parameters()]
     return (outside, max(peaks), full_bytes, masters, padded, dist.get_world_size(), shapes,
             [tuple(p.shape) for p in make().parameters()])

@@ -95,7 +95,7 @@ def _transient(backend: str, max_inflight_buckets=None) -> dict:
 
     for _ in range(2):
         step()
-    cores = acc.engine._all_cores()
+    cores = acc.engine.comm.all_cores()
     cores[0].reset_grad_bucket_peak()
     transients = []
     for _ in range(3):

@@ -24,8 +24,8 @@ def _train_then_end(state, backend):
         opt.step()
         opt.zero_grad()
     engine = acc.engine
-    reducers = getattr(engine, "reducers", None)
-    held = list(reducers.values()) if reducers is not None else engine._all_cores()
+    reducers = getattr(engine.comm, "reducers", None)
+    held = list(reducers.values()) if reducers is not None else engine.comm.all_cores()
     refs = [weakref.ref(obj) for obj in held]
     assert refs, "the engine should hold C++ objects while training"
     del held

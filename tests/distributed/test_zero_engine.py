@@ -279,7 +279,7 @@ def _layout(state):
     acc = Accelerator(backend="zero2", cpu=True, log_policy=False,
                       engine_options={"first_bucket_cap_mb": 1e-3, "bucket_cap_mb": 2e-3})
     model = acc.prepare(model)
-    core = acc.engine.cores[id(model)][0]
+    core = acc.engine.comm.cores[id(model)][0]
     return core.partition_map(), core.bucket_indices(), core.bucket_shards(), core.world_size
 
 

@@ -162,6 +162,8 @@ class ShardedCore {
   // Full fp32 value of every parameter (all-gathers the masters), in model order.
   std::vector<at::Tensor> full_masters();
 
+  // The model's parameters this core shards, in model order (as given).
+  const std::vector<at::Tensor>& params() const { return params_; }
   const at::Tensor& master_shard() const { return master_; }
   const at::Tensor& grad_shard() const { return grad_; }
   // Per bucket: the low-precision shard (undefined when the bucket is stored in fp32).

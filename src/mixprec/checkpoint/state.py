@@ -275,16 +275,7 @@ def _expected_dtypes(acc) -> dict:
     """Global model tensor name -> the dtype this engine saves and loads it in: fp32 for
     parameters with fp32 masters (sharded engines keep one for every trainable parameter),
     the tensor's own dtype otherwise."""
-    engine = acc.engine
-    sharded = getattr(engine, "core_of_param", None) or {}
-    out = {}
-    for i, model in enumerate(acc.prepared.models):
-        for name, t in model.state_dict(keep_vars=True).items():
-            if id(t) in sharded:
-                out[fmt.model_prefix(i) + name] = torch.float32
-            else:
-                out[fmt.model_prefix(i) + name] = engine.master_of.get(id(t), t).dtype
-    return out
+    return acc.engine.state_dtypes(acc.prepared.models)
 
 
 # State every parameter of these torch optimizers has once it stepped (element-wise unless

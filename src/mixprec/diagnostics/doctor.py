@@ -333,7 +333,7 @@ def doctor(
         if not report.ok: ...
     """
     from ..accelerator import _pick_device, check_device_supports
-    from ..engines.single import SingleEngine
+    from ..engines.base import Engine
     from ..wrappers.model import AutocastGate, is_prepared
 
     if not isinstance(model, nn.Module):
@@ -352,7 +352,7 @@ def doctor(
 
     work = copy.deepcopy(model)
     with _quiet_prepare():
-        SingleEngine(policy, dev, fused_optimizer=False).prepare_model(work, AutocastGate())
+        Engine(policy, dev, fused_optimizer=False).prepare_model(work, AutocastGate())
     args, kwargs = send_to_device(_split_batch(batch), dev)
     tracker = _ModuleTracker()
     recorder = OpRecorder(policy.compute_dtype if policy.autocast_enabled else None,

@@ -1,21 +1,19 @@
-"""The engine contract: what happens to parameters and gradients between ``prepare()``
-and the end of ``optimizer.step()``.
+"""The engine: the step driver that composes the precision layer with a backend's
+communication ([Note: engine = precision + communication] in engines/comm.py).
 
-An engine composes the precision layer (``self.precision``, engines/precision.py: masters,
-loss scaler, non-finite flag, forward context, unscale and clip arithmetic) with the
-communication of its backend. This base class is the single-process engine; ddp adds the
-Reducer (engines/ddp.py), zero/fsdp the sharding core (engines/zero.py). They override the
-communication points (``prepare_model``, ``fold_grads``, ``no_sync``, ``unscale_`` for the
-found_inf agreement, ``clip_grad_norm_`` for a sharded norm, ``_apply_update`` for the
-all-gather) and keep the step itself (``step``, [Note: a step without host reads]).
+``Engine(policy, device, comm_cls, **engine_options)`` builds ``self.comm`` (a
+:class:`~mixprec.engines.comm.Comm`: single, ddp, zero1/2/3, fsdp) and ``self.precision``
+(engines/precision.py) and runs one code path for every backend: prepare, backward,
+unscale with the non-finite check, clip, the step ([Note: a step without host reads], one
+call into C++ per step), zero_grad and the checkpoint contract. Where backends differ it
+calls the comm's hooks; it holds no backend state itself.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-from typing import ClassVar, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -26,7 +24,8 @@ from ..policy import PrecisionPolicy
 from ..step import DeviceScalars, StepResult, check_clip_limit
 from ..wrappers.model import AutocastGate
 from .precision import Precision
-from .replicated_state import replicated_load_state_shards, replicated_state_shards
+from .comm import Comm
+from .single import SingleComm
 
 logger = logging.getLogger("mixprec")
 
@@ -75,36 +74,62 @@ class OptimizerState:
 
 
 class Engine:
-    """Single-process precision machinery; subclasses add communication.
+    """The step driver over ``self.precision`` and ``self.comm`` (see the module docstring).
 
     Lifecycle: ``prepare_model`` -> ``prepare_optimizer`` -> per step ``backward``
     (any number, inside ``no_sync`` while accumulating), ``clip_grad_norm_``
     (optional), ``step``, ``zero_grad``.
+
+    Example::
+
+        engine = Engine(PrecisionPolicy.from_mixed_precision("bf16"), torch.device("cpu"))
+        engine.prepare_model(model, AutocastGate())
+        state = engine.prepare_optimizer(optimizer)
+        engine.backward(loss)
+        engine.step(state)          # StepResult(stepped=True, reason='ok', ...)
     """
 
-    name: ClassVar[str] = "base"
-    distributed: ClassVar[bool] = False  # takes a `group=` process group and needs WORLD_SIZE > 1
-    # Every rank holds whole tensors, so the base checkpoint contract below applies; a
-    # sharding engine must override state_shards/load_state_shards with its slices.
-    replicated_state: ClassVar[bool] = False
-
-    def __init__(
-        self, policy: PrecisionPolicy, device: torch.device, *, fused_optimizer: bool = True
-    ) -> None:
-        self.policy = policy  # resolved precision policy
+    def __init__(self, policy: PrecisionPolicy, device: torch.device, comm_cls: type[Comm] = SingleComm,
+                 *, fused_optimizer: bool = True, **engine_options) -> None:
+        self.comm = comm_cls(policy, device, **engine_options)  # the backend's communication
+        self.policy = self.comm.policy  # resolved precision policy (a comm may adjust it)
         self.device = device  # where parameters and gradients live
         self.fused_optimizer = fused_optimizer  # use the C++ fused Adam/AdamW/SGD when eligible
         # config clip_in_step: clip_grad_norm_ leaves the multiply to the fused update
         # ([Note: clip inside the update]).
         self.clip_in_step = True
-        # config cache_weight_casts: on the replicated engines the fused update writes the
+        # config cache_weight_casts: on the replicated backends the fused update writes the
         # forward's bf16/fp16 weights ([Note: the update writes the forward's weights] in
         # engines/weight_casts.py). Read by prepare_model.
         self.cache_weight_casts = True
-        self.precision = Precision(policy, device)  # [Note: precision layer] in precision.py
+        self.precision = Precision(self.policy, device)  # [Note: precision layer] in precision.py
+        self.comm.attach(self.precision)
         self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
         # Step results whose skips are not logged yet (see Engine._log_skips).
         self._unlogged: collections.deque = collections.deque()
+
+    # The backend, read through the engine (one owner: self.comm).
+    name = property(lambda self: self.comm.name)
+    distributed = property(lambda self: self.comm.distributed)
+    replicated_state = property(lambda self: self.comm.replicated_state)
+
+    # The backends' own public methods, reachable as ``accelerator.engine.<name>`` where the
+    # backend has them (docs/zero.md, docs/fsdp.md, docs/migrating.md); absent otherwise,
+    # so ``hasattr(engine, "unit_names")`` says whether the backend has units.
+    BACKEND_API = frozenset({
+        "full_params", "unit_names", "param_buffer_bytes",  # zero3 / fsdp
+        "coalesce_grad_reduction", "comm_counters", "reset_comm_counters", "persistent_bytes",
+        "bytes_communicated_last_step",  # zero / fsdp
+        "bytes_reduced_last_backward",  # ddp
+    })
+
+    def __getattr__(self, name: str):
+        comm = self.__dict__.get("comm")
+        if comm is not None and name in Engine.BACKEND_API and hasattr(comm, name):
+            return getattr(comm, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}"
+                             + (f" (backend {comm.name!r} has no {name})" if comm is not None
+                                and name in Engine.BACKEND_API else ""))
 
     # The precision layer's state, read through the engine (one owner: self.precision).
     scaler = property(lambda self: self.precision.scaler)
@@ -120,65 +145,51 @@ class Engine:
     def release(self) -> None:
         """Drop what holds the process group (end of training) and the forward's weight
         copies; the engine is unusable after."""
+        self.comm.release()
         if self.precision.casts is not None:
             self.precision.casts.release()
 
     # ------------------------------------------------------------------ models
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
-        """Move ``model`` to the device, apply the storage policy, create fp32 masters and
-        make its forward follow the policy. Returns the same object."""
+        """Move ``model`` to the device, apply the storage policy (fp32 masters on the
+        replicated backends, shards on the sharded ones), hand its gradients to the comm
+        and make its forward follow the policy. Returns the same object."""
         model.to(self.device)
-        precision = self.precision
+        comm, precision = self.comm, self.precision
+        comm.start(model)
         fp32_modules = precision.fp32_modules(model)
-        fp32_params = {id(p) for m in fp32_modules for p in m.parameters()}
-        candidates = [
-            p
-            for p in model.parameters()
-            if p.requires_grad and p.is_floating_point() and id(p) not in fp32_params
-        ]
-        precision.add_masters(candidates)
         target = self.policy.param_dtype
-        if target is not None:
-            for p in candidates:
-                if p.dtype != target:
-                    p.data = p.data.to(target)
         input_dtype = target if target is not None else _dominant_dtype(model)
-        # The sharded engines step shards, not the model's weights: they keep autocast's casts.
-        precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads,
-                                  cache_casts=self.cache_weight_casts and self.fused_optimizer
-                                  and self.replicated_state)
+        if not comm.owns_masters:
+            precision.store_params(model, fp32_modules)
+        comm.prepare_model(model, fp32_modules)
+        # The sharded backends step shards, not the model's weights: they keep autocast's casts.
+        ctx = precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads,
+                                        cache_casts=self.cache_weight_casts and self.fused_optimizer
+                                        and comm.replicated_state)
+        comm.model_ready(model, ctx)
         return model
 
     def zero_model_grads(self, model: nn.Module) -> None:
         """``model.zero_grad()`` on a prepared model also clears its masters' grads."""
-        for p in model.parameters():
-            master = self.master_of.get(id(p))
-            if master is not None:
-                master.grad = None
+        self.precision.drop_grads(model=model)
+        self.comm.zero_model_grads(model)
 
     def full_state_dict(self, model: nn.Module) -> dict:
-        """``model.state_dict()`` with every parameter in full precision (fp32 masters)."""
+        """``model.state_dict()`` with every parameter in full precision (fp32 masters; on
+        the sharded backends gathered from the shards, a collective)."""
         state = model.state_dict()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            master = self.master_of.get(id(p))
-            if master is not None and name in state:
-                state[name] = master.detach().clone()
+        self.precision.fill_masters(model, state)
+        self.comm.fill_full_state(model, state)
         return state
 
     # --------------------------------------------------------------- optimizers
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerState:
-        """Point the optimizer at the fp32 masters (its own state moves with them)."""
-        for group in optimizer.param_groups:
-            swapped = []
-            for p in group["params"]:
-                master = self.master_of.get(id(p))
-                if master is not None:
-                    if p in optimizer.state:
-                        optimizer.state[master] = optimizer.state.pop(p)
-                    swapped.append(master)
-                else:
-                    swapped.append(p)
-            group["params"] = swapped
+        """Point the optimizer at what it steps: the fp32 masters (its own state moves
+        with them), or this rank's shard segments."""
+        if not self.comm.owns_masters:
+            self.precision.steps_masters(optimizer)
+        self.comm.prepare_optimizer(optimizer)
         casts = self.precision.casts
         if casts is not None and self._fused_eligible(optimizer):
             casts.track(p for group in optimizer.param_groups for p in group["params"])
@@ -193,20 +204,23 @@ class Engine:
         ]
 
     def fold_grads(self) -> None:
-        """Move pending low-precision grads into the fp32 master grads."""
-        self.precision.fold_grads()
+        """Make every optimizer's gradients current: fold pending low-precision grads into
+        the fp32 masters, or finish the sharded reductions (once between a backward and
+        the end of the step)."""
+        self.comm.fold()
 
     # ------------------------------------------------------------------ steps
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.precision.scale_loss(loss)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self.comm.grads_changed()
         self.scale_loss(loss).backward(**kwargs)
-        self.fold_grads()
+        self.comm.after_backward()
 
     def no_sync(self, model: nn.Module):
         """Context in which gradients accumulate locally without communication."""
-        return contextlib.nullcontext()
+        return self.comm.no_sync(model)
 
     def unscale_(self, state: OptimizerState) -> None:
         """Unscale this optimizer's grads and record non-finite ones (once per step)."""
@@ -223,6 +237,7 @@ class Engine:
         # optimizers), so weights, fp32 masters and optimizer state stay bitwise unchanged.
         self._unscale_local(state)
         self._materialize(state)
+        self.comm.agree_found_inf()
 
     def _materialize(self, state: OptimizerState) -> None:
         """Apply a clip left to the update ([Note: clip inside the update]) to the gradients
@@ -236,37 +251,42 @@ class Engine:
         state.grad_scale = None
 
     def _unscale_local(self, state: OptimizerState) -> None:
-        """This rank's unscale + check of ``state``'s gradients, without any agreement."""
+        """This rank's unscale + check of ``state``'s gradients, without any agreement
+        (none when the comm already checked them: ddp's copy-in, [Note: non-finite check
+        in the copy-in] in csrc/engines/replicated/reducer.h; unscaling is then x1)."""
         self.fold_grads()
         if state.unscaled:
             return
-        self.precision.unscale_(self._grads(state.optimizer))
+        if not self.comm.checked(state.optimizer):
+            self.precision.unscale_(self._grads(state.optimizer))
         state.unscaled = True
 
     def grad_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        master = self.master_of.get(id(p))
-        return (master if master is not None else p).grad
+        """The gradient the optimizer reads for model parameter ``p`` (replicated backends)."""
+        return self.precision.grad_of(p)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
+        """Clip the gradients of ``parameters`` by their global norm (torch's rule) and
+        return that norm. The sharded backends compute it over every parameter they shard
+        from the owned shards, with one all-reduce that also agrees found_inf."""
         max_norm = check_clip_limit("max_norm", max_norm)
-        self.fold_grads()
-        grads = [g for p in parameters if (g := self.grad_of(p)) is not None]
-        if self._clip_deferrable(grads, norm_type):
+        grads = self.comm.clip_grads(parameters, whole=True)
+        deferred = self._clip_deferrable(grads, norm_type)
+        if deferred:
             # [Note: clip inside the update] one read of the gradients: the norm, with the
             # non-finite check folded in (a non-finite norm is a non-finite gradient).
             unscaled = next(iter(self.optimizers.values())).unscaled
-            raw = kernels.l2_norm(grads, None if unscaled else self.found_inf)
-            return self._defer_clip(raw, max_norm, unscaled)
-        for state in self.optimizers.values():
-            self.unscale_(state)
-        if not grads:
-            total = torch.zeros((), device=self.device)
-        elif float(norm_type) == 2.0:
-            total = kernels.l2_norm(grads)
+            check = None if unscaled else self.found_inf
         else:
-            total = torch.nn.utils.get_total_norm(grads, norm_type)
+            for state in self.optimizers.values():
+                self._unscale_local(state)  # a sharded comm agrees found_inf with the norm
+                self._materialize(state)
+            check = None
+        total = self.comm.global_norm(grads, norm_type, check)
+        if deferred:
+            return self._defer_clip(total, max_norm, unscaled)
         return self._clip_now(grads, total, max_norm)
 
     def _clip_now(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -327,8 +347,9 @@ class Engine:
         clip_value = check_clip_limit("clip_value", clip_value)
         for state in self.optimizers.values():
             self.unscale_(state)
-        grads = [g for p in parameters if (g := self.grad_of(p)) is not None]
-        for g in grads:
+        # Element-wise: on the sharded backends, clamping the owned shards is clamping the
+        # whole gradient.
+        for g in self.comm.clip_grads(parameters, whole=False):
             g.clamp_(min=-clip_value, max=clip_value)
 
     def _fused_eligible(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -363,6 +384,17 @@ class Engine:
         in csrc/engines/step/fused_step.h); the code after it is the path of the steps it
         does not take: those three, and a step that creates optimizer state.
         """
+        if closure is not None and not self.comm.steps_closures:
+            raise NotImplementedError(
+                f"optimizer.step(closure) on {self.name}: the closure's backward would not be "
+                "reduced before the update; run backward in your loop and call step() without it"
+            )
+        try:
+            return self._step(state, closure)
+        finally:
+            self.comm.step_done()
+
+    def _step(self, state: OptimizerState, closure) -> StepResult:
         optimizer = state.optimizer
         self.fold_grads()
         state.steps += 1
@@ -448,13 +480,10 @@ class Engine:
         }), skip_reason)
 
     def _step_finish(self, state: OptimizerState) -> dict:
-        """What the one-call step still does around the update (engine hook): here only
-        the check, unless the clip or an explicit unscale did it."""
-        return {"check": not state.unscaled}
-
-    def _update_lowp_of(self) -> dict:
-        """id(optimizer param) -> the low-precision tensor the fused update writes."""
-        return self.precision.update_targets()
+        """What the one-call step still does around the update: the check, unless the
+        clip or an explicit unscale did it, and what the comm adds (the found_inf
+        agreement, the sharded gather, ddp's Reducer flags)."""
+        return self.comm.step_finish(state, {"check": not state.unscaled})
 
     def _fused_update(self, optimizer: torch.optim.Optimizer, **kwargs) -> bool:
         """``kernels.fused_optimizer_step`` writing this engine's low-precision targets;
@@ -464,7 +493,7 @@ class Engine:
         casts = self.precision.casts
         if casts is not None:
             casts.before_update()
-        if not kernels.fused_optimizer_step(optimizer, lowp_of=self._update_lowp_of(), **kwargs):
+        if not kernels.fused_optimizer_step(optimizer, lowp_of=self.comm.update_targets(), **kwargs):
             return False
         if casts is not None:
             casts.after_update()
@@ -518,6 +547,8 @@ class Engine:
             # The flag covers every optimizer checked this step (clip_grad_norm_ checks all
             # of them at once): cleared when the last of them has stepped.
             self.precision.clear_nonfinite()
+        if not any(s.unscaled for s in self.optimizers.values()):
+            self.comm.checks_cleared()
 
     def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool,
                       state: Optional[OptimizerState] = None) -> None:
@@ -527,6 +558,10 @@ class Engine:
         if closure is None and fused:
             factor = None if state is None else state.grad_scale
             if self._fused_update(optimizer, inv_scale=factor, found_inf=found_inf):
+                # The kernel wrote the low-precision copies. A skipped sharded step left the
+                # shards unchanged: gathering them again rewrites the same values, so the
+                # skip needs no host decision here either.
+                self.comm.publish(optimizer, False)
                 return
         if found_inf is not None and bool(found_inf.item()):
             return  # the fused kernels declined this state layout: decided on the host
@@ -536,26 +571,16 @@ class Engine:
         self.write_back(optimizer)
 
     def write_back(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refresh the low-precision params of this optimizer's masters."""
-        dsts, srcs = [], []
-        for group in optimizer.param_groups:
-            for m in group["params"]:
-                p = self.lowp_of.get(id(m))
-                if p is not None:
-                    dsts.append(p)
-                    srcs.append(m)
-        if dsts:
-            with torch.no_grad():
-                kernels.copy_cast_(dsts, srcs)
+        """Make an update the kernels did not write visible: refresh the low-precision
+        params of this optimizer's masters, or the shards' and gather them."""
+        self.precision.write_back(optimizer)
+        self.comm.publish(optimizer, True)
 
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
         state.optimizer.zero_grad(set_to_none=set_to_none)
         state.forget_grads()
-        for group in state.optimizer.param_groups:
-            for m in group["params"]:
-                p = self.lowp_of.get(id(m))
-                if p is not None:
-                    p.grad = None
+        self.precision.drop_grads(optimizer=state.optimizer)
+        self.comm.zero_grad(state.optimizer)
 
     # ------------------------------------------------------------ scaler state
     def scaler_state_dict(self) -> dict:
@@ -565,18 +590,18 @@ class Engine:
         self.precision.load_scaler_state_dict(state)
 
     # ------------------------------------------------------------- checkpoints
-    def _require_replicated(self, call: str) -> None:
-        if not self.replicated_state:
-            raise NotImplementedError(
-                f"{call} with backend={self.name!r}: this engine shards its state and does not "
-                "describe its shards to the checkpoint writer yet; save with backend='ddp' or "
-                "'single', or export weights with accelerator.get_state_dict(model)"
-            )
-
+    # The engines' public state interface: checkpoint/state.py reads and writes through
+    # these and the scaler methods above, never through the Accelerator's internals.
     def state_names(self, models: list[nn.Module]) -> dict[str, tuple]:
         """Every global model tensor a checkpoint of ``models`` holds: name -> global shape
         (what ``load_state`` validates against before loading anything)."""
-        return {s.name: tuple(s.shape) for s in self.state_shards(models, [])}
+        return self.comm.state_names(models)
+
+    def state_dtypes(self, models: list[nn.Module]) -> dict:
+        """Global model tensor name -> the dtype this engine saves and loads it in: fp32
+        for parameters with fp32 masters (the sharded backends keep one for every
+        trainable parameter), the tensor's own dtype otherwise."""
+        return self.comm.state_dtypes(models)
 
     def state_shards(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list:
         """What this rank holds of every tensor a checkpoint saves, as
@@ -589,18 +614,18 @@ class Engine:
         given in full precision (their fp32 masters where there are). Each shard gives the
         GLOBAL shape and dtype, the flat range ``[offset, offset + numel)`` this rank holds
         and the flat local tensor; ``replicated=True`` means every rank holds the same whole
-        tensor (only rank 0 writes it). Sharded engines override this with their slices.
+        tensor (only rank 0 writes it).
 
-        The replicated engines (single, ddp) return whole tensors
-        (engines/replicated_state.py).
+        The replicated backends (single, ddp) give whole tensors
+        (engines/replicated_state.py), the sharded ones the slices they own
+        (engines/zero_state.py).
 
         Example::
 
             shards = engine.state_shards([model], [optimizer])
             shards[0].name, shards[0].shape      # ('model/0.weight', (64, 16))
         """
-        self._require_replicated("save_state")
-        return replicated_state_shards(self, models, optimizers)
+        return self.comm.state_shards(models, optimizers)
 
     def load_state_shards(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], read) -> None:
         """Load what :meth:`state_shards` names from a checkpoint, whatever wrote it.
@@ -608,17 +633,15 @@ class Engine:
         ``read(name, offset, numel)`` returns that flat range of a global tensor (assembled
         from whichever rank files hold it) and ``read.index`` maps every saved name to its
         ``(shape, dtype)``. Callers validate names and shapes first; an implementation reads
-        everything it needs BEFORE changing anything, so a failure loads nothing. Sharded
-        engines override this to read only their slices.
-
-        The replicated engines (single, ddp) read whole tensors (engines/replicated_state.py).
+        everything it needs BEFORE changing anything, so a failure loads nothing. The
+        sharded backends read only their slices.
 
         Example::
 
             engine.load_state_shards([model], [optimizer], reader)
         """
-        self._require_replicated("load_state")
-        replicated_load_state_shards(self, models, optimizers, read)
+        self.comm.load_state_shards(models, optimizers, read)
+
 
 def _dominant_dtype(model: nn.Module) -> Optional[torch.dtype]:
     """dtype most floating parameters of ``model`` have (None when it has none)."""

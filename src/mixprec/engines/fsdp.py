@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from ..policy import PrecisionPolicy
-from .zero import Zero3Engine
+from .zero import Zero3Comm
 
 _UNSET = object()
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -69,7 +69,7 @@ def map_mixed_precision(policy: PrecisionPolicy, param_dtype=_UNSET, reduce_dtyp
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
-class FSDPEngine(Zero3Engine):
+class FSDPComm(Zero3Comm):
     """FSDP2-style sharding: ZeRO-3 with ``reshard_after_forward`` selectable."""
 
     name = "fsdp"

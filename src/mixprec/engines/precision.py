@@ -5,11 +5,11 @@ One :class:`Precision` per engine owns the policy's state and arithmetic: the lo
 (C++ ``GradScaler``, device tensors), the fp32 masters of low-precision parameters on the
 replicated engines (C++ ``MasterWeights``), the bf16/fp32 non-finite flag, the forward
 context (autocast, input casts, fp32 modules), unscaling with the inf/nan check, the clip
-arithmetic and the scaler's once-per-iteration update. The communication engines
-(engines/base.py single and ddp over the Reducer, engines/zero.py over ShardedCore) decide
-where gradients live and when they are reduced, and call these methods; none of them
-holds a second copy of this state. The step that composes both is
-``Engine.step`` ([Note: a step without host reads] in engines/base.py).
+arithmetic and the scaler's once-per-iteration update. The communication half
+(``Comm``, engines/comm.py: single, ddp over the Reducer, zero/fsdp over ShardedCore)
+decides where gradients live and when they are reduced; none of them holds a second copy
+of this state. The Engine (engines/base.py) composes both ([Note: engine = precision +
+communication] in engines/comm.py) and drives the step ([Note: a step without host reads]).
 
 Example::
 
@@ -125,6 +125,75 @@ class Precision:
                 "from them after every step",
                 len(needs_master), "/".join(given), "/".join(given),
             )
+
+    def store_params(self, model: nn.Module, fp32_modules: Sequence[nn.Module]) -> None:
+        """The replicated backends' storage policy: fp32 masters for the trainable
+        parameters that are (or will be) low precision, then the parameters cast to the
+        policy's ``param_dtype`` (fp32 modules excluded)."""
+        fp32_params = {id(p) for m in fp32_modules for p in m.parameters()}
+        candidates = [p for p in model.parameters()
+                      if p.requires_grad and p.is_floating_point() and id(p) not in fp32_params]
+        self.add_masters(candidates)
+        target = self.policy.param_dtype
+        if target is not None:
+            for p in candidates:
+                if p.dtype != target:
+                    p.data = p.data.to(target)
+
+    def steps_masters(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point ``optimizer`` at the fp32 masters (its own state moves with them)."""
+        for group in optimizer.param_groups:
+            swapped = []
+            for p in group["params"]:
+                master = self.master_of.get(id(p))
+                if master is not None:
+                    if p in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(p)
+                    swapped.append(master)
+                else:
+                    swapped.append(p)
+            group["params"] = swapped
+
+    def grad_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The gradient the optimizer reads for model parameter ``p`` (its master's)."""
+        master = self.master_of.get(id(p))
+        return (master if master is not None else p).grad
+
+    def write_back(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refresh the low-precision params of this optimizer's masters."""
+        dsts, srcs = [], []
+        for group in optimizer.param_groups:
+            for m in group["params"]:
+                p = self.lowp_of.get(id(m))
+                if p is not None:
+                    dsts.append(p)
+                    srcs.append(m)
+        if dsts:
+            with torch.no_grad():
+                kernels.copy_cast_(dsts, srcs)
+
+    def drop_grads(self, optimizer: Optional[torch.optim.Optimizer] = None,
+                   model: Optional[nn.Module] = None) -> None:
+        """Drop the low-precision grads of ``optimizer``'s masters, or the masters' grads
+        of ``model``'s parameters (``model.zero_grad()``)."""
+        if optimizer is not None and self.lowp_of:
+            for group in optimizer.param_groups:
+                for m in group["params"]:
+                    p = self.lowp_of.get(id(m))
+                    if p is not None:
+                        p.grad = None
+        if model is not None and self.master_of:
+            for p in model.parameters():
+                master = self.master_of.get(id(p))
+                if master is not None:
+                    master.grad = None
+
+    def fill_masters(self, model: nn.Module, state: dict) -> None:
+        """``state`` (model.state_dict()) with every parameter's fp32 master where it has one."""
+        for name, p in model.named_parameters(remove_duplicate=False):
+            master = self.master_of.get(id(p))
+            if master is not None and name in state:
+                state[name] = master.detach().clone()
 
     def install_forward(self, model: nn.Module, input_dtype: Optional[torch.dtype],
                         gate: AutocastGate, fp32_modules: Sequence[nn.Module],

@@ -1,7 +1,9 @@
-"""Checkpoint shards of the replicated engines (single, ddp): every rank holds whole
+"""Checkpoint shards of the replicated backends (single, ddp): every rank holds whole
 tensors, so each is described once, whole and replicated (rank 0 writes it). The engine
 contract (``Engine.state_shards`` / ``load_state_shards`` in engines/base.py) says what the
-names and ranges mean; the ZeRO engines' slices are in engines/zero_state.py."""
+names and ranges mean; ``Comm.state_shards`` (engines/comm.py) calls these with the
+engine's precision layer, which holds the fp32 masters. The ZeRO slices are in
+engines/zero_state.py."""
 
 from __future__ import annotations
 
@@ -11,14 +13,14 @@ from torch import nn
 from ..checkpoint.format import Shard, model_prefix, numel_of
 
 
-def replicated_state_shards(engine, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list:
+def replicated_state_shards(precision, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list:
     """Whole tensors: parameters as their fp32 masters where there are, buffers, and each
     optimizer's state keyed by its parameter's name."""
     shards, key_of = [], {}
     for i, model in enumerate(models):
         prefix = model_prefix(i)
         for name, t in model.state_dict(keep_vars=True).items():
-            src = engine.master_of.get(id(t), t)
+            src = precision.master_of.get(id(t), t)
             key_of.setdefault(id(src), (prefix + name)[len("model/"):])
             src = src.detach()
             shards.append(Shard(prefix + name, tuple(src.shape), src.dtype, 0, src.reshape(-1), True))
@@ -44,7 +46,7 @@ def replicated_state_shards(engine, models: list[nn.Module], optimizers: list[to
     return shards
 
 
-def replicated_load_state_shards(engine, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
+def replicated_load_state_shards(precision, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                  read) -> None:
     """Read whole tensors (everything before changing anything), copy them into the fp32
     masters / parameters / buffers, refresh the low-precision parameters from the masters,
@@ -58,7 +60,7 @@ def replicated_load_state_shards(engine, models: list[nn.Module], optimizers: li
     for i, model in enumerate(models):
         prefix = model_prefix(i)
         for name, t in model.state_dict(keep_vars=True).items():
-            dst = engine.master_of.get(id(t), t)
+            dst = precision.master_of.get(id(t), t)
             key_of.setdefault(id(dst), (prefix + name)[len("model/"):])
             staged.append((dst, whole(prefix + name)))
     optim_states = []
@@ -77,6 +79,6 @@ def replicated_load_state_shards(engine, models: list[nn.Module], optimizers: li
     with torch.no_grad():
         for dst, src in staged:
             dst.copy_(src)
-        engine.precision.refresh_lowp()
+        precision.refresh_lowp()
     for optimizer, sd in zip(optimizers, optim_states):
         optimizer.load_state_dict(sd)

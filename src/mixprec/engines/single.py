@@ -1,13 +1,13 @@
-"""One process, one device: the precision machinery with no communication."""
+"""One process, one device: the precision layer with no communication."""
 
 from __future__ import annotations
 
-from .base import Engine
+from .comm import Comm
 
 
-class SingleEngine(Engine):
-    """``backend="single"``: everything local. The base class already does all the work;
-    this class exists so backends are chosen by name, never by ``if`` chains."""
+class SingleComm(Comm):
+    """``backend="single"``: everything local. The contract's defaults (engines/comm.py)
+    already describe it; this class exists so backends are chosen by name, never by
+    ``if`` chains."""
 
     name = "single"
-    replicated_state = True

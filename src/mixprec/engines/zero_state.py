@@ -1,6 +1,7 @@
 """Checkpoint shards of the ZeRO engines: each rank describes exactly the slices it owns.
 
-The engine contract (``Engine.state_shards`` / ``load_state_shards``) names every global
+The engine contract (``Engine.state_shards`` / ``load_state_shards``, answered here for
+``ShardedComm`` in engines/zero.py) names every global
 tensor and the flat range a rank holds. A ZeRO rank owns, for every trainable parameter, at
 most one contiguous piece of its fp32 master (``core.owned_ranges()``), and the optimizer
 state of exactly those elements (the optimizer steps shard *segments*: runs of the shard
@@ -34,13 +35,13 @@ def _names_of(model: nn.Module, trainable: set[int]) -> dict[int, list[str]]:
     return names
 
 
-def _owned(engine, models):
+def _owned(comm, models):
     """Per sharding core of each model (zero3/fsdp: one per unit):
     (prefix, model, core, params, names_by_id, [(index, shard_offset, param_offset, numel)])."""
     result = []
     for i, model in enumerate(models):
-        for core in engine._cores(model):
-            params = engine.core_params[id(core)]
+        for core in comm.model_cores(model):
+            params = core.params
             names = _names_of(model, {id(p) for p in params})
             ranges = [(index, offset, param_offset, numel)
                       for index, _bucket, offset, param_offset, numel in core.owned_ranges() if numel > 0]
@@ -52,14 +53,14 @@ def _trainable_ids(owned, model) -> set[int]:
     return {id(p) for _prefix, m, _core, params, *_ in owned if m is model for p in params}
 
 
-def _optimizer_layout(engine, optimizer, owned):
+def _optimizer_layout(comm, optimizer, owned):
     """(segment master tensor, [(keys, param shape, param_offset, start_in_segment, numel)])"""
     master_base = {}
     for prefix, _model, core, params, names, ranges in owned:
         shard = core.master_shard
         master_base[shard.untyped_storage().data_ptr()] = (prefix, shard, params, names, ranges)
     layout = []
-    for segment in engine.segments[id(optimizer)]:
+    for segment in comm.segments_of(optimizer):
         m = segment.master
         prefix, shard, params, names, ranges = master_base[m.untyped_storage().data_ptr()]
         seg_start = m.storage_offset() - shard.storage_offset()
@@ -73,7 +74,7 @@ def _optimizer_layout(engine, optimizer, owned):
     return layout
 
 
-def _group_steps(engine, optimizer) -> list[float]:
+def _group_steps(comm, optimizer) -> list[float]:
     """Per param group, the step count every rank agrees on ([Note: step counters])."""
     steps = []
     for group in optimizer.param_groups:
@@ -86,12 +87,12 @@ def _group_steps(engine, optimizer) -> list[float]:
         steps.append(value)
     t = torch.tensor(steps, dtype=torch.float64)
     if len(steps):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=engine.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
     return t.tolist()
 
 
-def zero_state_shards(engine, models, optimizers) -> list[Shard]:
-    owned = _owned(engine, models)
+def zero_state_shards(comm, models, optimizers) -> list[Shard]:
+    owned = _owned(comm, models)
     shards: list[Shard] = []
     for i, model in enumerate(models):
         trainable = _trainable_ids(owned, model)
@@ -107,8 +108,8 @@ def zero_state_shards(engine, models, optimizers) -> list[Shard]:
                 shards.append(Shard(prefix + name, tuple(p.shape), torch.float32, param_offset,
                                     master.narrow(0, offset, numel), False))
     for j, optimizer in enumerate(optimizers):
-        steps = _group_steps(engine, optimizer)
-        layout = _optimizer_layout(engine, optimizer, owned)
+        steps = _group_steps(comm, optimizer)
+        layout = _optimizer_layout(comm, optimizer, owned)
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
         keys_in_group: dict[int, set] = defaultdict(set)
         for m, pieces in layout:
@@ -128,8 +129,8 @@ def zero_state_shards(engine, models, optimizers) -> list[Shard]:
                     for key in keys:
                         shards.append(Shard(f"optim/{j}/{key}/{skey}", shape, value.dtype, param_offset, piece, False))
         all_keys = [None] * len(steps)
-        gathered = [None] * engine.world_size
-        dist.all_gather_object(gathered, {g: sorted(k) for g, k in keys_in_group.items()}, group=engine.group)
+        gathered = [None] * comm.world_size
+        dist.all_gather_object(gathered, {g: sorted(k) for g, k in keys_in_group.items()}, group=comm.group)
         for part in gathered:
             for g, keys in part.items():
                 all_keys[g] = sorted(set(all_keys[g] or []) | set(keys))
@@ -142,8 +143,8 @@ def zero_state_shards(engine, models, optimizers) -> list[Shard]:
     return shards
 
 
-def zero_load_state_shards(engine, models, optimizers, read) -> None:
-    owned = _owned(engine, models)
+def zero_load_state_shards(comm, models, optimizers, read) -> None:
+    owned = _owned(comm, models)
     staged = []  # (destination view, source) copied only once everything was read
     for i, model in enumerate(models):
         trainable = _trainable_ids(owned, model)
@@ -158,7 +159,7 @@ def zero_load_state_shards(engine, models, optimizers, read) -> None:
             staged.append((master.narrow(0, offset, numel), read(prefix + name, param_offset, numel)))
     new_states = []
     for j, optimizer in enumerate(optimizers):
-        for m, pieces in _optimizer_layout(engine, optimizer, owned):
+        for m, pieces in _optimizer_layout(comm, optimizer, owned):
             if not pieces:
                 continue
             key = pieces[0][0][0]
@@ -183,7 +184,7 @@ def zero_load_state_shards(engine, models, optimizers, read) -> None:
         for _prefix, _model, core, *_ in owned:
             # zero1/2 all-gather the loaded masters into the parameters now; zero3/fsdp only
             # refresh their low-precision shards (the next forward gathers).
-            if engine.options.shard_params:
+            if comm.options.shard_params:
                 core.refresh_lowp()
             else:
                 core.gather_params(True)

@@ -179,7 +179,7 @@ def _run_config(cfg: dict, world: int, rank: int) -> dict:
     for name in ("zero1", "zero2", "zero2_rs", "zero3", "fsdp"):
         if name not in accs:
             continue
-        eng = accs[name].engine
+        eng = accs[name].engine.comm  # the sharded backend (engines/zero.py)
         stage = eng.stage
         steps_done = len(losses[name])
         per_step = {k: v / steps_done for k, v in eng.comm_counters().items()}

@@ -160,10 +160,10 @@ def test_units_need_a_sharding_backend():
 
 
 def test_units_must_make_a_unit():
-    engine = types.SimpleNamespace(name="zero3", units_spec=())
+    engine = types.SimpleNamespace(name="zero3", comm=types.SimpleNamespace(units_spec=()))
     with pytest.raises(ConfigError, match=r"zero3.units=\(\) makes no unit below the root of Stack"):
         act_ckpt.plan(make_stack(), ActivationCheckpointingOptions(units=True), engine)
-    engine = types.SimpleNamespace(name="fsdp", units_spec=["Block"])
+    engine = types.SimpleNamespace(name="fsdp", comm=types.SimpleNamespace(units_spec=["Block"]))
     chosen = act_ckpt.plan(make_stack(), ActivationCheckpointingOptions(units=True), engine)
     assert [n for n, _ in chosen] == ["blocks.0", "blocks.1", "blocks.2"]
 

@@ -172,7 +172,7 @@ class Engine:
 
     def zero_model_grads(self, model: nn.Module) -> None:
         """``model.zero_grad()`` on a prepared model also clears its masters' grads."""
-        self.precision.drop_grads(model=model)
+        self.precision.drop_master_grads(model)
         self.comm.zero_model_grads(model)
 
     def full_state_dict(self, model: nn.Module) -> dict:
@@ -543,11 +543,11 @@ class Engine:
         state.grad_norm = None
         state.grad_scale = None
         state.last = result
-        if self.scaler is None and not any(s.unscaled for s in self.optimizers.values()):
+        if not any(s.unscaled for s in self.optimizers.values()):
             # The flag covers every optimizer checked this step (clip_grad_norm_ checks all
             # of them at once): cleared when the last of them has stepped.
-            self.precision.clear_nonfinite()
-        if not any(s.unscaled for s in self.optimizers.values()):
+            if self.scaler is None:
+                self.precision.clear_nonfinite()
             self.comm.checks_cleared()
 
     def _apply_update(self, optimizer: torch.optim.Optimizer, closure, found_inf, *, fused: bool,
@@ -579,7 +579,7 @@ class Engine:
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
         state.optimizer.zero_grad(set_to_none=set_to_none)
         state.forget_grads()
-        self.precision.drop_grads(optimizer=state.optimizer)
+        self.precision.drop_lowp_grads(state.optimizer)
         self.comm.zero_grad(state.optimizer)
 
     # ------------------------------------------------------------ scaler state

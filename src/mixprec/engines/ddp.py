@@ -77,12 +77,8 @@ class DDPComm(GroupComm):
     def release(self) -> None:
         self.reducers.clear()  # their destructors remove the gradient hooks
 
-    # The Reducer's hooks fold low-precision grads into the masters during backward.
-    def after_backward(self) -> None:
-        return None
-
     def fold(self) -> None:
-        return None
+        return None  # the Reducer's hooks fold low-precision grads into the masters in backward
 
     def checked(self, optimizer: torch.optim.Optimizer) -> bool:
         # [Note: non-finite check in the copy-in] (csrc/engines/replicated/reducer.h): the

@@ -172,17 +172,18 @@ class Precision:
             with torch.no_grad():
                 kernels.copy_cast_(dsts, srcs)
 
-    def drop_grads(self, optimizer: Optional[torch.optim.Optimizer] = None,
-                   model: Optional[nn.Module] = None) -> None:
-        """Drop the low-precision grads of ``optimizer``'s masters, or the masters' grads
-        of ``model``'s parameters (``model.zero_grad()``)."""
-        if optimizer is not None and self.lowp_of:
+    def drop_lowp_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the grads of the low-precision params of ``optimizer``'s masters."""
+        if self.lowp_of:
             for group in optimizer.param_groups:
                 for m in group["params"]:
                     p = self.lowp_of.get(id(m))
                     if p is not None:
                         p.grad = None
-        if model is not None and self.master_of:
+
+    def drop_master_grads(self, model: nn.Module) -> None:
+        """Drop the masters' grads of ``model``'s parameters (``model.zero_grad()``)."""
+        if self.master_of:
             for p in model.parameters():
                 master = self.master_of.get(id(p))
                 if master is not None:

@@ -78,6 +78,13 @@ try:
         if rank == 0:
             acc.reduce(torch.ones(3))  # MARK:reduce
         step()
+    elif case == "reduce_late":
+        if rank == 0:
+            # Rank 1's watchdog times out first: its verdict is published while rank 0's main
+            # thread still waits in the store check, which must raise it (not the thread).
+            time.sleep(0.4 * timeout)
+            acc.reduce(torch.ones(3))  # MARK:reduce_late
+        step()
     elif case == "shapes":
         acc.gather(torch.ones(4 + rank, 3))  # MARK:shapes
     elif case.startswith("uneven"):

@@ -87,6 +87,7 @@ def _assert_report(results, must: list[str], blamed: str):
     ("gather", "gather", "gather"),                   # ddp
     ("wait", "wait_for_everyone", "wait"),            # ddp
     ("reduce", "reduce", "reduce"),                   # ddp
+    ("reduce_late", "reduce", "reduce_late"),         # ddp, rank 1's verdict comes first
 ])
 def test_collective_on_one_rank_names_both_calls_and_lines(tmp_path, case, backend_call, mark):
     """Rank 0 makes the call alone; rank 1 goes on to the next step's backward. The call is

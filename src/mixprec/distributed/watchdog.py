@@ -31,7 +31,8 @@ Two mechanisms, both off the data path of the collectives themselves:
   :class:`CollectiveDesyncError` on every rank at once, naming every rank's call, line and
   shapes; Gloo would instead abort the process natively ("Received data size doesn't
   match") or pair the call with an unrelated collective. A rank that does not arrive within
-  the timeout is diagnosed as above, and the waiting rank raises (its main thread is free).
+  the timeout is diagnosed as above, and the waiting rank raises (its main thread is free),
+  whichever rank wrote the verdict: its watchdog thread leaves the raise to it.
   ``main_process_first`` waits without deadline while the main process is inside the
   block (a long download is legitimate): a check that times out asks first, and waits on
   when every missing rank reports being in a ``main_process_first`` block.
@@ -176,6 +177,7 @@ class Watchdog:
         self._thread_store = None  # store client of the watchdog thread
         self._garbage: list[str] = []  # store keys the watchdog thread deletes
         self._answered = 0  # status questions answered (the "query" counter in the store)
+        self.raised = False  # the main thread raised a verdict (the thread then stops watching)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -302,7 +304,8 @@ class Watchdog:
                         raise
                     verdict = self.diagnose(store, waiting_check=True)
                     if verdict is not None:
-                        self.stop_peers_then(store)
+                        self.raised = True
+                        self._settle(verdict, store)
                         raise CollectiveDesyncError(verdict["report"]) from None
                     # every missing rank is inside main_process_first's block: wait on
         finally:
@@ -412,6 +415,17 @@ class Watchdog:
             return json.loads(store.get(self.prefix + "verdict"))
         return None
 
+    def _settle(self, verdict: dict, store) -> None:
+        """Before this rank stops on ``verdict``: its origin gives the others a moment to
+        read it; every other rank acknowledges it, so that the origin need not wait."""
+        try:
+            if verdict["origin"] == self.rank:
+                self.stop_peers_then(store)
+            else:
+                store.add(self.prefix + "acks", 1)
+        except Exception:  # noqa: BLE001 - the store's host may be gone
+            pass
+
     def stop_peers_then(self, store) -> None:
         """Give the other ranks' watchdogs a moment to read the verdict (the store may
         live in this process)."""
@@ -435,7 +449,9 @@ class Watchdog:
         try:
             store = self._store_main()
             verdict = self.diagnose(store, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            self.stop_peers_then(store)
+            if verdict is not None:
+                self.raised = True
+                self._settle(verdict, store)
         except CollectiveDesyncError:
             raise
         except Exception:  # noqa: BLE001 - no store: the original error stands
@@ -450,11 +466,28 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - no store: nothing to watch with
             return
         diagnosed = (-1, 0.0)  # the tracked call last diagnosed (its number), when to look again
+        grace_until = None  # a peer's verdict while the main thread is in a store check
         while not self._stop.wait(POLL_S):
             try:
+                if self.raised:
+                    return  # the main thread raised the verdict: the user's code handles it
                 verdict = self._read_verdict(store)
                 if verdict is not None and verdict["origin"] != self.rank:
-                    self._die(verdict, store)
+                    # The main thread raises the verdict itself from a store check (or from
+                    # a backend error it is diagnosing): its store wait ends within the
+                    # timeout. Ending the process here would race that raise, so the thread
+                    # waits, and ends the process only if the main thread never gets there.
+                    # `checking` is read before `raised`: the main thread sets `raised` before
+                    # it leaves the check, so a check seen as left was either raised from or
+                    # not a store check at all.
+                    checking = self.checking
+                    if checking and grace_until is None:
+                        grace_until = time.monotonic() + self.timeout_s + 4 * POLL_S + 2.0
+                    if self.raised:
+                        return
+                    if not checking or time.monotonic() > grace_until:
+                        self._die(verdict, store)
+                    continue
                 self._answer(store)
                 while self._garbage:
                     store.delete_key(self._garbage.pop())
@@ -475,13 +508,7 @@ class Watchdog:
                          f"(exit code {EXIT_CODE}):\n{verdict['report']}\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        try:
-            if verdict["origin"] == self.rank:
-                self.stop_peers_then(store)
-            else:
-                store.add(self.prefix + "acks", 1)
-        except Exception:  # noqa: BLE001 - the store's host may be gone
-            pass
+        self._settle(verdict, store)
         os._exit(EXIT_CODE)
 
     # -- wrapping ----------------------------------------------------------------------

@@ -48,22 +48,21 @@ void init_sharded(py::module_& m) {
       .def("set_sync", &ShardedCore::set_sync, py::arg("sync"))
       .def_property_readonly("sync", &ShardedCore::sync)
       .def("reduce", &ShardedCore::reduce, py::call_guard<py::gil_scoped_release>())
-      .def("zero_grad", &ShardedCore::zero_grad)
+      .def("zero_grad", &ShardedCore::zero_grad, py::arg("release") = false)
+      .def("grad_shard_bytes", &ShardedCore::grad_shard_bytes)
+      .def("ensure_grad_shard", &ShardedCore::ensure_grad_shard)
       .def("has_grads", &ShardedCore::has_grads)
-      .def("gather_params", &ShardedCore::gather_params, py::arg("refresh_lowp"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("gather_params", &ShardedCore::gather_params, py::call_guard<py::gil_scoped_release>())
       .def("unshard", &ShardedCore::unshard, py::arg("async_op") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("wait_unshard", &ShardedCore::wait_unshard, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &ShardedCore::reshard, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("unsharded", &ShardedCore::unsharded)
-      .def("refresh_lowp", &ShardedCore::refresh_lowp)
       .def("param_buffer_bytes", &ShardedCore::param_buffer_bytes)
       .def("full_masters", &ShardedCore::full_masters, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("params", &ShardedCore::params)
       .def_property_readonly("master_shard", &ShardedCore::master_shard)
       .def_property_readonly("grad_shard", &ShardedCore::grad_shard)
-      .def_property_readonly("lowp_shards", &ShardedCore::lowp_shards)
       .def("owned_ranges", &ShardedCore::owned_ranges)
       .def("partition_map",
            [](const ShardedCore& c) {

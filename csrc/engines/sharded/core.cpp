@@ -70,7 +70,7 @@ ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string
   }
   auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   master_ = at::zeros({layout_.shard_numel()}, f32);
-  grad_ = at::zeros({layout_.shard_numel()}, f32);
+  // grad_ is allocated by the first reduction ([Note: what lives between steps]).
   // Masters come from the values given, before any cast, so they keep every fp32 bit.
   for (const auto& r : layout_.owned(layout_.rank())) {
     master_.narrow(0, r.shard_offset, r.numel)
@@ -78,7 +78,6 @@ ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string
   }
   const auto& lb = layout_.buckets();
   buckets_.resize(lb.size());
-  lowp_.resize(lb.size());
   for (size_t b = 0; b < lb.size(); ++b) {
     auto& bucket = buckets_[b];
     bucket.params_flat = at::zeros({lb[b].padded}, f32.dtype(lb[b].storage_dtype));
@@ -89,10 +88,6 @@ ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string
       // The parameter becomes a view of the flat buffer, so the all-gather after each
       // step writes the model's weights directly (no copy-out).
       p.set_data(slot.view(p.sizes()));
-    }
-    if (lb[b].storage_dtype != at::kFloat) {
-      lowp_[b] = at::empty({lb[b].shard}, f32.dtype(lb[b].storage_dtype));
-      lowp_[b].copy_(master_.narrow(0, lb[b].shard_offset, lb[b].shard));
     }
     bucket.pending = lb[b].params.size();
   }
@@ -254,6 +249,7 @@ void ShardedCore::complete_locked(size_t b) {
   auto owned = options_.collective == Collective::kReduceScatter
                    ? bucket.reduced
                    : reduced_full.narrow(0, layout_.rank() * info.shard, info.shard);
+  ensure_grad_shard_locked();
   grad_.narrow(0, info.shard_offset, info.shard).add_(owned);  // into fp32 (promotes)
   bucket.reduced = at::Tensor();
   bucket.sent = at::Tensor();
@@ -305,12 +301,30 @@ void ShardedCore::reduce_locked() {
   bytes_reduced_running_ = 0;
 }
 
-void ShardedCore::zero_grad() {
+void ShardedCore::ensure_grad_shard_locked() {
+  // [Note: what lives between steps]: a released shard is allocated again, zeroed.
+  if (!grad_.defined()) grad_ = at::zeros({layout_.shard_numel()}, master_.options());
+}
+
+void ShardedCore::ensure_grad_shard() {
   std::lock_guard<std::mutex> lock(mutex_);
-  grad_.zero_();
+  ensure_grad_shard_locked();
+}
+
+int64_t ShardedCore::grad_shard_bytes() const {
+  return grad_.defined() ? static_cast<int64_t>(grad_.nbytes()) : 0;
+}
+
+void ShardedCore::zero_grad(bool release) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (release) {
+    grad_ = at::Tensor();  // freed unless the user still holds a .grad view of it
+  } else if (grad_.defined()) {
+    grad_.zero_();
+  }
   for (auto& bucket : buckets_) {
     if (bucket.grads.defined()) {
-      if (options_.free_grad_buckets) {
+      if (options_.free_grad_buckets || release) {
         release_grads(bucket);
       } else {
         bucket.grads.zero_();
@@ -321,18 +335,21 @@ void ShardedCore::zero_grad() {
   has_grads_ = false;
 }
 
-void ShardedCore::gather_params(bool refresh_lowp) {
+at::Tensor ShardedCore::gather_source(size_t b) const {
+  // [Note: what lives between steps]: the owned masters, rounded to the storage dtype.
+  const auto& info = layout_.buckets()[b];
+  auto master = master_.narrow(0, info.shard_offset, info.shard);
+  return info.storage_dtype == at::kFloat ? master : master.to(info.storage_dtype);
+}
+
+void ShardedCore::gather_params() {
   std::lock_guard<std::mutex> lock(mutex_);
-  const auto& lb = layout_.buckets();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> inputs;  // alive until every gather is done
   int64_t bytes = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    auto input = master_.narrow(0, lb[b].shard_offset, lb[b].shard);
-    if (lowp_[b].defined()) {
-      if (refresh_lowp) lowp_[b].copy_(input);
-      input = lowp_[b];
-    }
-    works.push_back(group_->all_gather_single(buckets_[b].params_flat, input));
+    inputs.push_back(gather_source(b));
+    works.push_back(group_->all_gather_single(buckets_[b].params_flat, inputs.back()));
     bytes += static_cast<int64_t>(buckets_[b].params_flat.nbytes());
     count_gather(buckets_[b].params_flat);
   }
@@ -348,13 +365,12 @@ void ShardedCore::unshard(bool async_op) {
 void ShardedCore::unshard_locked(bool async_op) {
   grads_seen_ = 0;
   if (!unsharded_) {
-    const auto& lb = layout_.buckets();
     int64_t bytes = 0;
     for (size_t b = 0; b < buckets_.size(); ++b) {
       auto& flat = buckets_[b].params_flat;
       set_storage_bytes(flat, flat.nbytes());
-      auto input = lowp_[b].defined() ? lowp_[b] : master_.narrow(0, lb[b].shard_offset, lb[b].shard);
-      buckets_[b].gather = group_->all_gather_single(flat, input);
+      buckets_[b].gather_src = gather_source(b);
+      buckets_[b].gather = group_->all_gather_single(flat, buckets_[b].gather_src);
       bytes += static_cast<int64_t>(flat.nbytes());
       count_gather(flat);
     }
@@ -374,6 +390,7 @@ void ShardedCore::wait_unshard_locked() {
     if (bucket.gather) {
       bucket.gather->wait();
       bucket.gather.reset();
+      bucket.gather_src = at::Tensor();
     }
   }
 }
@@ -390,14 +407,6 @@ void ShardedCore::reshard_locked() {
   wait_unshard_locked();  // never free memory a collective is still writing
   for (auto& bucket : buckets_) set_storage_bytes(bucket.params_flat, 0);
   unsharded_ = false;
-}
-
-void ShardedCore::refresh_lowp() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const auto& lb = layout_.buckets();
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (lowp_[b].defined()) lowp_[b].copy_(master_.narrow(0, lb[b].shard_offset, lb[b].shard));
-  }
 }
 
 int64_t ShardedCore::param_buffer_bytes() const {

@@ -1,10 +1,24 @@
 // The sharding core shared by the sharded engines (ZeRO stages; FSDP later).
 //
 // Owns, per rank: the fp32 master shard (flat, this rank's slice of every bucket),
-// the fp32 gradient shard, low-precision shards for buckets stored in bf16/fp16,
-// the flat parameter buffers the model's parameters are views of, and the
-// gradient buckets with their C++ hooks on the parameters' gradient accumulators.
-// The layout is in layout.h ([Note: bucket order], [Note: even split]).
+// the fp32 gradient shard, the flat parameter buffers the model's parameters are views
+// of, and the gradient buckets with their C++ hooks on the parameters' gradient
+// accumulators. The layout is in layout.h ([Note: bucket order], [Note: even split]).
+//
+// [Note: what lives between steps]
+// Only the fp32 master shard (and the optimizer's state, held by the optimizer) lives
+// across steps on every stage; zero1/2 also keep the full parameters (the model's).
+// * No low-precision copy of the shard: an all-gather of a bucket stored in bf16/fp16
+//   sends its owned slice of the master rounded to the storage dtype, cast into a
+//   temporary at the gather (as torch's fully_shard does). The rounding is the one the
+//   fused update would have written, so the gathered values are the same bits.
+// * The gradient shard is dropped by zero_grad(release=true) (the optimizer's
+//   zero_grad(set_to_none=True), torch's default), with ZeRO-1's full-size fp32 buckets,
+//   and allocated again, zeroed, by the first reduction that lands in it (grad_shard() is
+//   undefined, None in Python, until then). The masters' .grad are views of it that the
+//   engine makes when it shows the gradients (after the reductions) and that the
+//   optimizer's zero_grad drops, so the memory goes when they do; a .grad the user still
+//   holds keeps its old values, as in torch.
 //
 // [Note: gradient reduction]
 // A hook adds grad * (1/N) into the parameter's slot of its fp32 bucket (the 1/N
@@ -142,21 +156,26 @@ class ShardedCore {
 
   // Launch and finish every bucket holding unreduced gradients (same order on all ranks).
   void reduce();
-  // Zero the gradient shard and drop unreduced gradients.
-  void zero_grad();
+  // Drop unreduced gradients and zero the gradient shard; release=true frees the shard's
+  // memory instead, and the full-size fp32 buckets even where free_grad_buckets is off
+  // (ZeRO-1) ([Note: what lives between steps]).
+  void zero_grad(bool release = false);
+  // Bytes of gradient-shard memory currently allocated (0 while released).
+  int64_t grad_shard_bytes() const;
+  // Allocate the released gradient shard, zeroed (a no-op when allocated): for a core
+  // that got no gradient while others of the same optimizer did.
+  void ensure_grad_shard();
   // True when a reduction landed in the gradient shard since the last zero_grad().
   bool has_grads() const { return has_grads_; }
-  // All-gather every bucket's owned parameters (storage dtype) into the model's parameters.
-  // refresh_lowp: first round the fp32 master shard into the low-precision shards.
-  void gather_params(bool refresh_lowp);
+  // All-gather every bucket's owned masters, rounded to the storage dtype, into the model's
+  // parameters.
+  void gather_params();
   // [Note: parameter sharding]. unshard(async_op=true) only launches the all-gathers
   // (prefetch); wait_unshard() finishes them. Both are no-ops when already gathered.
   void unshard(bool async_op);
   void wait_unshard();
   void reshard();
   bool unsharded() const { return unsharded_; }
-  // Round the fp32 master shard into the low-precision shards (no gather).
-  void refresh_lowp();
   // Bytes of flat parameter buffers currently allocated on this rank.
   int64_t param_buffer_bytes() const;
   // Full fp32 value of every parameter (all-gathers the masters), in model order.
@@ -166,8 +185,6 @@ class ShardedCore {
   const std::vector<at::Tensor>& params() const { return params_; }
   const at::Tensor& master_shard() const { return master_; }
   const at::Tensor& grad_shard() const { return grad_; }
-  // Per bucket: the low-precision shard (undefined when the bucket is stored in fp32).
-  const std::vector<at::Tensor>& lowp_shards() const { return lowp_; }
   const Layout& layout() const { return layout_; }
   // (param index, bucket, shard offset, param offset, numel) for what this rank owns.
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> owned_ranges() const;
@@ -211,6 +228,7 @@ class ShardedCore {
     c10::intrusive_ptr<c10d::Work> work;
     uint64_t launch_id = 0;  // the window's id of the in-flight reduction (0: not in it)
     c10::intrusive_ptr<c10d::Work> gather;  // in-flight unshard all-gather
+    at::Tensor gather_src;                  // its input, when cast from the master (kept alive)
   };
 
   bool on_grad_ready(size_t index);  // true: a bucket was pushed into the window
@@ -226,6 +244,8 @@ class ShardedCore {
   void unshard_locked(bool async_op);
   void wait_unshard_locked();
   void reshard_locked();
+  at::Tensor gather_source(size_t b) const;
+  void ensure_grad_shard_locked();
 
   Layout layout_;
   std::vector<at::Tensor> params_;
@@ -233,7 +253,6 @@ class ShardedCore {
   std::vector<bool> ready_;
   at::Tensor master_;
   at::Tensor grad_;
-  std::vector<at::Tensor> lowp_;
   std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   CoreOptions options_;

@@ -47,7 +47,7 @@ void fused_step(const StepPlan& plan) {
   }
   // A skipped update left the shards as they were: gathering them rewrites the same
   // values, so the gather needs no host decision either.
-  for (auto* core : plan.gather) core->gather_params(/*refresh_lowp=*/false);
+  for (auto* core : plan.gather) core->gather_params();
   if (plan.scaler != nullptr && plan.keep_scale.has_value()) {
     plan.keep_scale->copy_(plan.scaler->scale());
   }

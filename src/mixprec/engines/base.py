@@ -580,7 +580,7 @@ class Engine:
         state.optimizer.zero_grad(set_to_none=set_to_none)
         state.forget_grads()
         self.precision.drop_lowp_grads(state.optimizer)
-        self.comm.zero_grad(state.optimizer)
+        self.comm.zero_grad(state.optimizer, set_to_none)
 
     # ------------------------------------------------------------ scaler state
     def scaler_state_dict(self) -> dict:

@@ -161,8 +161,9 @@ class Comm:
     def checks_cleared(self) -> None:
         """Every optimizer stepped: the non-finite flag of this iteration is spent."""
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.zero_grad()`` ran: drop what the comm holds for its gradients."""
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad(set_to_none)`` ran: drop what the comm holds for its
+        gradients (with ``set_to_none``, their memory too)."""
 
     def release(self) -> None:
         """Drop what holds the process group (end of training)."""

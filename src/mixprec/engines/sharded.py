@@ -50,8 +50,15 @@ class Segment:
     """A run of one rank's fp32 master shard that belongs to one optimizer param group."""
 
     master: torch.Tensor  # view of the master shard (what the optimizer updates)
-    grad: torch.Tensor  # view of the gradient shard (attached as master.grad)
-    lowp: torch.Tensor | None  # view of the bucket's low-precision shard, if stored lowp
+    core: object  # the ShardedCore whose shards these are
+    offset: int  # where the segment starts in the core's shards
+    numel: int
+
+    def grad_view(self) -> torch.Tensor:
+        """The segment's slice of the core's gradient shard, attached as ``master.grad``
+        while the engine shows gradients (the shard exists only from the first reduction
+        to zero_grad: [Note: what lives between steps] in csrc/engines/sharded/core.h)."""
+        return self.core.grad_shard.narrow(0, self.offset, self.numel)
 
 
 def build_segments(core, group_of: dict[int, int], params: list[torch.Tensor]) -> dict[int, list[Segment]]:
@@ -60,8 +67,7 @@ def build_segments(core, group_of: dict[int, int], params: list[torch.Tensor]) -
     ``params`` are the core's parameters in registration order; ``group_of`` maps
     ``id(param)`` to its param-group index. Consecutive owned ranges of one bucket and one
     group are merged so the optimizer sees few, large tensors."""
-    master, grad, lowps = core.master_shard, core.grad_shard, core.lowp_shards
-    bucket_start = [start for start, _ in core.bucket_shards()]
+    master = core.master_shard
     runs: list[list[int]] = []  # [group, bucket, shard_offset, numel]
     for index, bucket, offset, _param_offset, numel in core.owned_ranges():
         group = group_of[id(params[index])]
@@ -72,9 +78,6 @@ def build_segments(core, group_of: dict[int, int], params: list[torch.Tensor]) -
             runs.append([group, bucket, offset, numel])
     out: dict[int, list[Segment]] = {}
     for group, bucket, offset, numel in runs:
-        lowp = lowps[bucket]
-        lowp_view = None if lowp is None else lowp.narrow(0, offset - bucket_start[bucket], numel)
-        out.setdefault(group, []).append(
-            Segment(master.narrow(0, offset, numel), grad.narrow(0, offset, numel), lowp_view)
-        )
+        segment = Segment(master.narrow(0, offset, numel), core, offset, numel)
+        out.setdefault(group, []).append(segment)
     return out

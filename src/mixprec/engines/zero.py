@@ -111,7 +111,6 @@ class ShardedComm(GroupComm):
         self.cores: dict[int, list[_C.ShardedCore]] = {}  # id(model) -> its cores (zero3: one per unit)
         self.sharded_ids: frozenset[int] = frozenset()  # id() of every parameter a core shards
         self.sharded_optimizers: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its cores, segments
-        self._lowp_targets: dict[int, torch.Tensor] = {}  # id(master segment) -> its low-precision view
         self._found_inf_agreed = False  # found_inf already all-reduced this step
         self._folded = False  # fold() ran since the last backward / step
 
@@ -172,7 +171,6 @@ class ShardedComm(GroupComm):
         destroyed; the engine cannot step afterwards."""
         self.cores.clear()
         self.sharded_optimizers.clear()
-        self._lowp_targets.clear()
 
     def zero_model_grads(self, model: nn.Module) -> None:
         for core in self.model_cores(model):
@@ -247,9 +245,6 @@ class ShardedComm(GroupComm):
                 new_params[g].extend(s.master for s in segs)
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = new_params[g]
-        for s in segments:
-            if s.lowp is not None:
-                self._lowp_targets[id(s.master)] = s.lowp
         self.sharded_optimizers[id(optimizer)] = ShardedOptimizer(optimizer, list(cores.values()), segments)
 
     def segments_of(self, optimizer: torch.optim.Optimizer) -> list[Segment]:
@@ -273,9 +268,15 @@ class ShardedComm(GroupComm):
         holds = dict(zip(map(id, cores), _C.finish_reductions(cores)))  # one call for all
         for sharded in self.sharded_optimizers.values():
             have = any(holds[id(c)] for c in sharded.cores)
+            if have and not all(holds[id(c)] for c in sharded.cores):
+                # A core that got no gradient (a unit unused in this backward) shows zeros,
+                # as before zero_grad() freed its shard ([Note: what lives between steps]).
+                for c in sharded.cores:
+                    if not holds[id(c)]:
+                        c.ensure_grad_shard()
             for s in sharded.segments:
                 if have and s.master.grad is None:
-                    s.master.grad = s.grad
+                    s.master.grad = s.grad_view()
                 elif not have:
                     s.master.grad = None
 
@@ -348,25 +349,28 @@ class ShardedComm(GroupComm):
         return finish
 
     def update_targets(self) -> dict:
-        return self._lowp_targets
+        # The update writes the fp32 masters only: the gathers round them to the storage
+        # dtype ([Note: what lives between steps] in csrc/engines/sharded/core.h).
+        return {}
 
     def publish(self, optimizer: torch.optim.Optimizer, refresh: bool) -> None:
         """Make the updated shards the model's parameters: zero1/2 all-gather them now;
-        zero3 only refreshes the low-precision shards (the next forward gathers)."""
+        zero3 has nothing to do (the next forward gathers from the masters)."""
+        if self.options.shard_params:
+            return
         for core in self.sharded_optimizers[id(optimizer)].cores:
-            if self.options.shard_params:
-                if refresh:
-                    core.refresh_lowp()
-            else:
-                core.gather_params(refresh)
+            core.gather_params()
 
     def step_done(self) -> None:
         self._found_inf_agreed = False
         self._folded = False
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        # set_to_none: the optimizer's zero_grad has just set every master's .grad to None,
+        # so the gradient shard's memory can go until the next reduction ([Note: what lives
+        # between steps] in csrc/engines/sharded/core.h).
         for core in self.sharded_optimizers[id(optimizer)].cores:
-            core.zero_grad()
+            core.zero_grad(release=set_to_none)
         self._folded = False
 
     # ------------------------------------------------------------ reporting
@@ -398,21 +402,20 @@ class ShardedComm(GroupComm):
             core.reset_comm_counters()
 
     def persistent_bytes(self) -> dict:
-        """Per-rank bytes that live across steps: the model's flat parameter buffers
-        (``params``: full for zero1/2; for zero3/fsdp only the units gathered right now,
-        0 between steps), master shard, low-precision shards, optimizer state of the
-        shards, and gradients (shard + full fp32 buckets while allocated: stage 1 keeps them)."""
+        """Per-rank bytes held right now: the model's flat parameter buffers (``params``:
+        full for zero1/2; for zero3/fsdp only the units gathered right now, 0 between
+        steps), master shard, optimizer state of the shards, and gradients (the shard and
+        full fp32 buckets while allocated: ``optimizer.zero_grad()`` frees both)."""
         cores = self.all_cores()
         params = sum(c.param_buffer_bytes() for c in cores)
         masters = sum(c.master_shard.nbytes for c in cores)
-        lowp = sum(t.nbytes for c in cores for t in c.lowp_shards if t is not None)
         opt_state = 0
         for sharded in self.sharded_optimizers.values():
             for per_param in sharded.optimizer.state.values():
                 opt_state += sum(v.nbytes for v in per_param.values()
                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
-        grads = sum(c.grad_shard.nbytes + c.grad_bucket_bytes() for c in cores)
-        return {"params": params, "master": masters, "lowp": lowp, "optimizer_state": opt_state,
+        grads = sum(c.grad_shard_bytes() + c.grad_bucket_bytes() for c in cores)
+        return {"params": params, "master": masters, "optimizer_state": opt_state,
                 "grads": grads}
 
 

@@ -182,12 +182,10 @@ def zero_load_state_shards(comm, models, optimizers, read) -> None:
         for dst, src in staged:
             dst.copy_(src.to(dst.dtype))
         for _prefix, _model, core, *_ in owned:
-            # zero1/2 all-gather the loaded masters into the parameters now; zero3/fsdp only
-            # refresh their low-precision shards (the next forward gathers).
-            if comm.options.shard_params:
-                core.refresh_lowp()
-            else:
-                core.gather_params(True)
+            # zero1/2 all-gather the loaded masters into the parameters now; zero3/fsdp
+            # gather them at the next forward.
+            if not comm.options.shard_params:
+                core.gather_params()
     for optimizer in optimizers:
         optimizer.state.clear()
     for optimizer, m, entry in new_states:

@@ -268,7 +268,7 @@ class ShardedComm(GroupComm):
         holds = dict(zip(map(id, cores), _C.finish_reductions(cores)))  # one call for all
         for sharded in self.sharded_optimizers.values():
             have = any(holds[id(c)] for c in sharded.cores)
-            if have and not all(holds[id(c)] for c in sharded.cores):
+            if have:
                 # A core that got no gradient (a unit unused in this backward) shows zeros,
                 # as before zero_grad() freed its shard ([Note: what lives between steps]).
                 for c in sharded.cores:

@@ -7,7 +7,8 @@ from harness import run_distributed
 STAGES = ["zero1", "zero2"]
 
 
-def _train(backend, mixed_precision, steps, clip=None, fused=False, inject_inf_at=None, sgd=False, **opts):
+def _train(backend, mixed_precision, steps, clip=None, fused=False, inject_inf_at=None, sgd=False,
+           norm_type=2.0, **opts):
     """10 steps of the small transformer; per-step params (full) and step results."""
     import torch
     import torch.distributed as dist
@@ -38,7 +39,7 @@ def _train(backend, mixed_precision, steps, clip=None, fused=False, inject_inf_a
             hook.remove()
             hook = None
         if clip is not None:
-            norms.append(float(acc.clip_grad_norm_(model.parameters(), clip)))
+            norms.append(float(acc.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type)))
         results.append(opt.step())
         opt.zero_grad()
         history.append([p.detach().float().clone() for p in model.parameters()])
@@ -121,24 +122,34 @@ def test_deepspeed_scaler_hysteresis():
 
 
 def _clip(state, backend):
+    import torch
+
     # SGD: the global norm is summed in another order than DDP's (owned shards, then one
     # all-reduce), so the clip coefficient may differ in its last bit. Adam would turn that
     # bit into an O(lr) step on the attention key bias, whose true gradient is zero (see
     # [Note: the attention key bias] in tests/test_parity_single.py); SGD keeps it a bit.
     hist_ref, _, ref = _train("ddp", "fp16", 4, clip=0.05, sgd=True)
     hist, _, ours = _train(backend, "fp16", 4, clip=0.05, sgd=True)
-    return ref, ours, _worst(hist[-1], hist_ref[-1])
+    # The inf-norm is a max: exact in any order, so equal to DDP's bitwise (and computed with
+    # one device reduction, no host read per gradient).
+    inf_ref = _train("ddp", "fp16", 4, clip=0.01, sgd=True, norm_type=float("inf"))
+    inf_ours = _train(backend, "fp16", 4, clip=0.01, sgd=True, norm_type=float("inf"))
+    inf_equal = inf_ours[2] == inf_ref[2] and all(
+        torch.equal(a, b) for a, b in zip(inf_ours[0][-1], inf_ref[0][-1]))
+    return ref, ours, _worst(hist[-1], hist_ref[-1]), inf_ref[2], inf_equal
 
 
 @pytest.mark.parametrize("backend", STAGES)
 def test_clip_grad_norm_same_on_all_ranks_and_equal_to_ddp(backend):
     out = run_distributed(_clip, 2, args=(backend,))
-    (ref0, ours0, worst0), (_, ours1, _) = out
+    (ref0, ours0, worst0, inf_norms, inf_equal0), (_, ours1, _, _, inf_equal1) = out
     assert ours0 == ours1  # one all-reduce: bitwise the same value everywhere
     assert all(n > 0.05 for n in ref0)  # the clip is active on every step
     for a, b in zip(ours0, ref0):
         assert abs(a - b) <= 1e-5 * b, (a, b)
     assert worst0 <= 1e-5, worst0  # clipped updates match DDP's
+    assert all(n > 0.01 for n in inf_norms), inf_norms  # the inf-norm clip is active too
+    assert inf_equal0 and inf_equal1
 
 
 def _accumulation(state, backend):

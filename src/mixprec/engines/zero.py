@@ -322,7 +322,9 @@ class ShardedComm(GroupComm):
         together, so every rank gets the same value and the same flag."""
         p = float(norm_type)
         if p == math.inf:
-            local = max((g.abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+            # One device reduction (no Python comparison of tensors, which reads each on the host).
+            local = (torch.stack(torch._foreach_norm(grads, math.inf)).amax().double() if grads
+                     else torch.zeros((), dtype=torch.float64))
             op = dist.ReduceOp.MAX
         elif p == 2.0:
             local = kernels.l2_norm(grads, check).double() ** 2 if grads else torch.zeros((), dtype=torch.float64)

@@ -85,7 +85,8 @@ def _group_steps(comm, optimizer) -> list[float]:
                 value = float(s)
                 break
         steps.append(value)
-    t = torch.tensor(steps, dtype=torch.float64)
+    # On the comm's device: NCCL moves device tensors only (a CPU tensor fails there).
+    t = torch.tensor(steps, dtype=torch.float64, device=comm.device)
     if len(steps):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
     return t.tolist()

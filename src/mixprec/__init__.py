@@ -9,7 +9,11 @@ Example::
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C
+from . import _torch_guard
+
+_torch_guard.check()  # before _C is loaded: a mismatched torch is an error, not a crash
+
+from . import _C  # noqa: E402
 from .accelerator import Accelerator
 from .checkpoint.rotation import ProjectConfiguration
 from .compat import (

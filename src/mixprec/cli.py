@@ -13,6 +13,12 @@ import platform
 import sys
 
 
+def _built_cuda():
+    from . import _build_torch
+
+    return _build_torch.TORCH_CUDA
+
+
 def _env() -> int:
     import torch
 
@@ -25,6 +31,7 @@ def _env() -> int:
         ("platform", platform.platform()),
         ("torch", torch.__version__),
         ("built against torch", info["torch_version"]),
+        ("built against torch CUDA", _built_cuda()),
         ("CUDA kernels built", info["cuda"]),
         ("CUDA available", torch.cuda.is_available()),
         ("torch CUDA", torch.version.cuda),
@@ -36,12 +43,13 @@ def _env() -> int:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    if info["torch_version"].split("+")[0] != torch.__version__.split("+")[0]:
-        print(
-            f"WARNING: mixprec._C was built against torch {info['torch_version']} but torch "
-            f"{torch.__version__} is installed; rebuild with: pip install --no-build-isolation .",
-            file=sys.stderr,
-        )
+    from . import _build_torch, _torch_guard
+
+    # Reached with a mismatch only when MIXPREC_ALLOW_TORCH_MISMATCH is set (import refuses it).
+    message = _torch_guard.mismatch(_build_torch.TORCH_VERSION, _build_torch.TORCH_CUDA,
+                                    torch.__version__, torch.version.cuda)
+    if message is not None:
+        print(f"WARNING: {message}", file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,44 @@
+"""Build-time metadata provider (scikit-build-core): mixprec's runtime dependencies, with torch
+pinned to the exact release the wheel's extension is compiled against.
+
+A libtorch extension only works with the torch it was built with (src/mixprec/_torch_guard.py
+checks it at import). So a wheel built with ``pip wheel --no-build-isolation .`` declares
+``torch==<that release>``, as torchvision's wheels do. An sdist keeps the declared range
+(``pin-torch = "no"`` in pyproject.toml's override for the sdist state): whoever builds from it
+compiles against their own torch, within that range. So does a wheel built where no torch
+is importable (it then has no extension to pin to; CMakeLists.txt refuses that build).
+
+Wired in pyproject.toml under ``[tool.scikit-build.metadata.dependencies]``. REQUIRES below
+is mixprec's dependency list, with torch's supported range.
+"""
+
+from __future__ import annotations
+
+import re
+
+# torch: the releases mixprec is built and tested against (docs/building.md).
+REQUIRES = ["torch>=2.6", "safetensors>=0.4", "pyyaml>=6"]
+
+
+def _pinned(requires, torch_version):
+    release = torch_version.split("+", 1)[0]
+    out = []
+    for req in requires:
+        if re.match(r"^torch(?![\w.-])", req.strip()):
+            out.append(f"torch=={release}")
+        else:
+            out.append(req)
+    return out
+
+
+def dynamic_metadata(field, settings):
+    if field != "dependencies":
+        raise ValueError(f"build_support/torch_pin.py provides 'dependencies', not {field!r}")
+    requires = list(REQUIRES)
+    if settings.get("pin-torch", "yes") == "no":  # the sdist (pyproject.toml's override)
+        return requires
+    try:
+        import torch
+    except ImportError:
+        return requires
+    return _pinned(requires, torch.__version__)

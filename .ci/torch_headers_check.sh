@@ -51,9 +51,11 @@ fetch_headers() {
   # (pip ranks 2.13.0+cpu above 2.13.0 for ==2.13.0); PyPI's linux wheel is the CUDA build.
   if ! "$PY" -m pip download -q --no-deps "torch===$v" -d "$tmp" --python-version 3.11 \
       --platform manylinux_2_28_x86_64 --only-binary=:all: >"$tmp/pip.log" 2>&1; then
-    echo "skipped torch $v: pip could not download its wheel (network unreachable or no such" \
-         "release?); last lines of pip's output:" >&2
-    tail -n 3 "$tmp/pip.log" | sed 's/^/    /' >&2
+    local why="pip could not download its wheel"
+    "$PY" -c "import urllib.request as u; u.urlopen('https://pypi.org/simple/torch/', timeout=10)" \
+      >/dev/null 2>&1 || why="the network is unreachable (https://pypi.org cannot be reached)"
+    echo "skipped torch $v: $why; last lines of pip's output:" >&2
+    grep -v '^WARNING' "$tmp/pip.log" | tail -n 2 | sed 's/^/    /' >&2
     rm -rf "$tmp"; return 2
   fi
   local whl

@@ -27,6 +27,7 @@ PY=${PYTHON:-.venv/bin/python}
 JOBS=${JOBS:-2}
 CACHE=${MIXPREC_TORCH_HEADERS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/mixprec/torch-headers}
 CXX=${CXX:-g++}
+CXX_STD=${CXX_STD:-c++17}  # CMakeLists.txt's CMAKE_CXX_STANDARD; torch >= 2.14 needs c++20
 PYTHON_INCLUDE=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])" 2>/dev/null)
 [ -n "$PYTHON_INCLUDE" ] && [ -f "$PYTHON_INCLUDE/Python.h" ] || {
   echo "FAIL: Python.h not found (python3's include dir: '${PYTHON_INCLUDE}'); install the Python dev headers"
@@ -74,7 +75,7 @@ compile_one() {
   local log="$logdir/$(echo "$f" | tr '/' '_').cuda$cuda.log"
   local extra=()
   [ "$cuda" = 1 ] && extra=(-isystem "$CUDA_INCLUDE")
-  if "$CXX" -fsyntax-only -std=c++17 -fPIC -fopenmp -Wall -Wno-unused-parameter \
+  if "$CXX" -fsyntax-only -std="$CXX_STD" -fPIC -fopenmp -Wall -Wno-unused-parameter \
       -Icsrc -isystem "$inc" -isystem "$inc/torch/csrc/api/include" -isystem "$PYTHON_INCLUDE" \
       "${extra[@]}" -D_GLIBCXX_USE_CXX11_ABI="$ABI" -DTORCH_EXTENSION_NAME=_C \
       -DTORCH_API_INCLUDE_EXTENSION_H -DMIXPREC_TORCH_VERSION="\"check\"" \
@@ -86,7 +87,7 @@ compile_one() {
   fi
 }
 export -f compile_one
-export CXX PYTHON_INCLUDE CUDA_INCLUDE
+export CXX CXX_STD PYTHON_INCLUDE CUDA_INCLUDE
 
 if [ "${1:-}" = "--fetch" ]; then
   [ $# -eq 2 ] || { echo "usage: $0 --fetch VERSION (e.g. 2.11.0)"; exit 1; }

@@ -8,7 +8,7 @@ DEPS   := $(VENV)/.deps-stamp
 # Pinned: `pip install torch` alone would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install bench clean gpu-check
+.PHONY: demo test install bench clean gpu-check compat-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ bench: install
 # Needs a CUDA device (exits 2 without one); not part of `make test` or CI.
 gpu-check:
 	bash .ci/gpu_check.sh
+
+# Compile-only check of every csrc .cpp against torch 2.11 and 2.12 (wheel headers, fetched
+# once into ~/.cache/mixprec/torch-headers, ~0.5 GB download each) and the venv's torch.
+compat-check: $(DEPS)
+	bash .ci/torch_headers_check.sh
 
 clean:
 	rm -rf build $(VENV)

@@ -43,6 +43,10 @@ void init_kernels(py::module_& m) {
       "One Adam (decoupled=False) or AdamW step over all tensors; `step` is the already "
       "incremented step count, or `steps` gives one fp32 1-element counter per param that "
       "the op increments itself (not when skipped). Does nothing when found_inf is nonzero.");
+  m.def("_advance_step_counters_", &k::advance_step_counters_, py::arg("steps"),
+        py::arg("found_inf") = py::none(), nogil,
+        "Add 1 to every fp32 step counter, or 0 when found_inf is nonzero, on their device "
+        "(fused_adam_'s counter update on CUDA; exposed for tests).");
   m.def(
       "fused_sgd_",
       [](const k::TensorVec& params, const k::TensorVec& grads,

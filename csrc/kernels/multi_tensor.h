@@ -40,6 +40,12 @@ void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVe
                  const AdamOptions& opt, const OptTensor& inv_scale, const OptTensor& found_inf,
                  const TensorVec& steps = {});
 
+// Advances `steps` (one fp32 1-element counter each, on one device) by 1, or by 0 when
+// found_inf (0-dim or 1-element fp32, same device) is nonzero, without reading found_inf
+// on the host: what fused_adam_ does to its `steps` on CUDA ([Note: device step
+// counters]). Any device.
+void advance_step_counters_(const TensorVec& steps, const OptTensor& found_inf);
+
 struct SgdOptions {
   double lr, momentum, dampening, weight_decay;
   bool nesterov, maximize, first_step;

@@ -4,14 +4,21 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/multi_tensor.h"
 
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <utility>
 
 #if MIXPREC_WITH_CUDA
-#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_norm.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/stack.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -65,7 +72,89 @@ void check_hyper(const char* op, const char* name, double v, double lo) {
                     " must be a finite number >= ", lo, ", got ", v);
 }
 
+void check_step_counters(const char* op, const TensorVec& steps, size_t num_params,
+                         const at::Device& device) {
+  TORCH_CHECK_VALUE(steps.size() == num_params, "mixprec.", op, ": got ", steps.size(),
+                    " step counters for ", num_params, " params; give one per param");
+  for (const auto& t : steps) check_scalar_tensor(op, "steps[i]", t, device);
+}
+
+// Adds 1 to every counter, or 0 where found_inf is nonzero, on the counters' device (no
+// host read). found_inf: 0-dim or shape [1] (the scalers' flags are [1]: kernels.py,
+// precision/grad_scaler.cpp); at::_foreach_add_(list, Tensor) wants a 0-dim tensor, so the
+// increment goes through the List overload, one view of it per counter.
+void add_step_increments(const TensorVec& steps, const OptTensor& found_inf) {
+  const at::NoGradGuard no_grad;  // counters are optimizer state, never part of a graph
+  if (!found_inf) {
+    at::_foreach_add_(steps, 1);
+    return;
+  }
+  const at::Tensor inc = found_inf->reshape({}).eq(0).to(at::kFloat);
+  TensorVec incs;
+  incs.reserve(steps.size());
+  for (const auto& t : steps) incs.push_back(inc.view(t.sizes()));
+  at::_foreach_add_(steps, incs);
+}
+
+#if MIXPREC_WITH_CUDA
+// [Note: torch's foreach ops on CUDA] unscale+check, norm and copies call torch's own
+// multi-tensor ops (same results, full bandwidth). Those take their fast path only for
+// lists of one dtype (one dtype pair for copies); otherwise they fall back to one kernel
+// per tensor. So the lists are split by dtype first, in order of first appearance.
+std::vector<std::pair<TensorVec, TensorVec>> group_by_dtypes(const TensorVec& a,
+                                                             const TensorVec& b) {
+  std::vector<std::pair<TensorVec, TensorVec>> groups;
+  std::vector<std::pair<at::ScalarType, at::ScalarType>> keys;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto key = std::make_pair(a[i].scalar_type(), b.empty() ? a[i].scalar_type()
+                                                                  : b[i].scalar_type());
+    size_t g = 0;
+    while (g < keys.size() && keys[g] != key) ++g;
+    if (g == keys.size()) {
+      keys.push_back(key);
+      groups.emplace_back();
+    }
+    groups[g].first.push_back(a[i]);
+    if (!b.empty()) groups[g].second.push_back(b[i]);
+  }
+  return groups;
+}
+
+// dsts[i].copy_(srcs[i]) through at::_foreach_copy_: the same conversion as copy_ and
+// Tensor.to (round to nearest-even). Both sides are flattened (contiguous, equal numels
+// are checked by the callers), so copy_'s broadcasting never applies.
+void foreach_copy(const TensorVec& dsts, const TensorVec& srcs) {
+  const at::NoGradGuard no_grad;  // dsts may be leaf parameters
+  TensorVec d, s;
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    d.push_back(dsts[i].view(-1));
+    s.push_back(srcs[i].view(-1));
+  }
+  for (const auto& [gd, gs] : group_by_dtypes(d, s)) at::_foreach_copy_(gd, gs);
+}
+
+// at::_amp_foreach_non_finite_check_and_unscale_: t *= inv_scale in fp32, found_inf set
+// to 1.0 when an element is inf/nan (never cleared), as this op's CPU path.
+void foreach_unscale(const TensorVec& tensors, const at::Tensor& found_inf,
+                     const at::Tensor& inv_scale) {
+  const at::NoGradGuard no_grad;
+  at::Tensor flag = found_inf;  // the op takes a non-const handle
+  for (const auto& group : group_by_dtypes(tensors, {})) {
+    at::_amp_foreach_non_finite_check_and_unscale_(group.first, flag, inv_scale);
+  }
+}
+#endif
+
 }  // namespace
+
+void advance_step_counters_(const TensorVec& steps, const OptTensor& found_inf) {
+  constexpr const char* op = "advance_step_counters_";
+  if (steps.empty()) return;
+  const auto device = list_device(steps);
+  check_step_counters(op, steps, steps.size(), device);
+  if (found_inf) check_scalar_tensor(op, "found_inf", *found_inf, device);
+  add_step_increments(steps, found_inf);
+}
 
 void unscale_and_check_(const TensorVec& tensors, const at::Tensor& found_inf,
                         const at::Tensor& inv_scale) {
@@ -84,7 +173,7 @@ void unscale_and_check_(const TensorVec& tensors, const at::Tensor& found_inf,
       },
       [&](void* stream) {
 #if MIXPREC_WITH_CUDA
-        cuda::unscale_and_check(tensors, found_inf, inv_scale, stream);
+        foreach_unscale(tensors, found_inf, inv_scale);
 #endif
       });
   bump_versions({&tensors});
@@ -109,8 +198,15 @@ at::Tensor l2_norm(const TensorVec& tensors, const OptTensor& found_inf) {
       },
       [&](void* stream) {
 #if MIXPREC_WITH_CUDA
-        at::Tensor partials = at::empty({cuda::l2_norm_num_partials(tensors)}, f32.device(device));
-        cuda::l2_norm(tensors, partials, out, found_inf ? &*found_inf : nullptr, stream);
+        // Per-tensor fp32 norms (at::_foreach_norm), then the norm of those: deterministic
+        // (no atomics in either), fp32 0-dim, all on the device.
+        const at::NoGradGuard no_grad;
+        TensorVec norms;
+        for (const auto& group : group_by_dtypes(tensors, {})) {
+          for (auto& n : at::_foreach_norm(group.first, 2, at::kFloat)) norms.push_back(n);
+        }
+        out = at::linalg_vector_norm(at::stack(norms), 2);
+        if (found_inf) found_inf->masked_fill_(out.isfinite().logical_not(), 1.0);
 #endif
       });
   return out;
@@ -143,11 +239,9 @@ void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVe
     check_same_sizes(op, "params", params, "lowp_params", lowp_params);
   }
   check_optional_scalars(op, inv_scale, found_inf, device);
-  if (!steps.empty()) {
-    TORCH_CHECK_VALUE(steps.size() == params.size(), "mixprec.", op, ": got ", steps.size(),
-                      " step counters for ", params.size(), " params; give one per param");
-    for (const auto& t : steps) check_scalar_tensor(op, "steps[i]", t, device);
-  }
+  if (!steps.empty()) check_step_counters(op, steps, params.size(), device);
+  // Every argument is checked above: nothing below raises for a bad one, so a failed call
+  // leaves params, moments and counters as they were.
   on_device(
       op, device,
       [&] {
@@ -187,11 +281,8 @@ void fused_adam_(const TensorVec& params, const TensorVec& grads, const TensorVe
       },
       [&](void* stream) {
 #if MIXPREC_WITH_CUDA
-        if (!steps.empty()) {
-          // Counters advance on the device: += 1, then -= found_inf (a skipped step).
-          at::_foreach_add_(steps, 1);
-          if (found_inf) at::_foreach_add_(steps, *found_inf, -1);
-        }
+        // Counters advance on the device (+1, +0 for a skipped step); the kernel reads them.
+        if (!steps.empty()) add_step_increments(steps, found_inf);
         cuda::adam(params, grads, exp_avgs, exp_avg_sqs, lowp_params, opt,
                    inv_scale ? &*inv_scale : nullptr, found_inf ? &*found_inf : nullptr, steps,
                    stream);
@@ -267,12 +358,16 @@ void scale_copy_and_check_(const TensorVec& dsts, const TensorVec& srcs,
       },
       [&](void* stream) {
 #if MIXPREC_WITH_CUDA
-        // Two passes on CUDA (copy, then the in-place unscale kernel, which checks the
-        // copied source values before scaling): same results as the CPU's one pass.
+        // Two passes on CUDA (copy, then the in-place unscale, which checks the copied
+        // source values before scaling): same results as the CPU's one pass.
+        TensorVec to_copy, from;
         for (size_t i = 0; i < dsts.size(); ++i) {
-          if (!dsts[i].is_same(srcs[i])) dsts[i].copy_(srcs[i]);
+          if (dsts[i].is_same(srcs[i])) continue;
+          to_copy.push_back(dsts[i]);
+          from.push_back(srcs[i]);
         }
-        cuda::unscale_and_check(dsts, found_inf, scale, stream);
+        foreach_copy(to_copy, from);
+        foreach_unscale(dsts, found_inf, scale);
 #endif
       });
   bump_versions({&dsts});
@@ -286,7 +381,7 @@ void copy_cast_(const TensorVec& dsts, const TensorVec& srcs) {
       op, device, [&] { cpu::copy_cast(dsts, srcs); },
       [&](void* stream) {
 #if MIXPREC_WITH_CUDA
-        cuda::copy_cast(dsts, srcs, stream);
+        foreach_copy(dsts, srcs);
 #endif
       });
   bump_versions({&dsts});
@@ -310,7 +405,18 @@ void flat_copy(const char* op, const at::Tensor& flat, const TensorVec& tensors,
       op, device, [&] { cpu::flat_copy(flat, tensors, into_flat); },
       [&](void* stream) {
 #if MIXPREC_WITH_CUDA
-        cuda::flat_copy(flat, tensors, into_flat, stream);
+        // The flat buffer's slices, back to back, as the CPU path (cpu::flat_copy).
+        TensorVec slices;
+        int64_t offset = 0;
+        for (const auto& t : tensors) {
+          slices.push_back(flat.narrow(0, offset, t.numel()));
+          offset += t.numel();
+        }
+        if (into_flat) {
+          foreach_copy(slices, tensors);
+        } else {
+          foreach_copy(tensors, slices);
+        }
 #endif
       });
 }

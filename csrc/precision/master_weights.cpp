@@ -1,6 +1,7 @@
 #include "precision/master_weights.h"
 
 #include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>  // at::NoGradGuard (torch 2.11/2.12 reach it no other way)
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 

@@ -81,6 +81,9 @@ def fused_adam_(
     """One Adam/AdamW step; ``step`` is the incremented count, or ``steps`` gives one fp32
     1-element counter per param that the op increments itself unless ``found_inf`` is set
     ([Note: device step counters] in mixprec/kernels.py)."""
+def _advance_step_counters_(steps: list[Tensor], found_inf: Optional[Tensor] = None) -> None:
+    """Add 1 to each fp32 1-element counter, or 0 when ``found_inf`` (0-dim or [1]) is
+    nonzero, on their device: fused_adam_'s counter update on CUDA (for tests)."""
 def fused_sgd_(
     params: list[Tensor],
     grads: list[Tensor],

@@ -77,3 +77,38 @@ def test_cuda_copy_and_flat():
     K.flat_copy_in_(flat, gpu)
     assert torch.equal(flat.cpu(), torch.cat([c.reshape(-1) for c in cpu]).half())
     assert _C.build_info()["cuda"]
+
+
+@pytest.mark.parametrize("flag_shape", [(1,), ()])
+def test_cuda_adam_device_counters_take_scaler_flags(flag_shape):
+    # The scalers' found_inf is shape [1] (issue #23, G1): counters advance on the device,
+    # by 0 when the step is skipped, and the step matches the CPU kernel.
+    cpu, gpu = _pair()
+    gc, gg = _pair(seed=1)
+    state_c = [[torch.zeros_like(t) for t in cpu] for _ in range(2)]
+    state_g = [[torch.zeros_like(t) for t in gpu] for _ in range(2)]
+    steps_c = [torch.tensor([2.0]) for _ in cpu]
+    steps_g = [s.cuda() for s in steps_c]
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+              maximize=False)
+    before = [t.clone() for t in gpu]
+    _C.fused_adam_(gpu, gg, *state_g, [], steps=steps_g,
+                   found_inf=torch.ones(flag_shape, device="cuda"), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(before, gpu))
+    assert all(s.item() == 2.0 for s in steps_g)
+    _C.fused_adam_(cpu, gc, *state_c, [], steps=steps_c, found_inf=torch.zeros(flag_shape), **kw)
+    _C.fused_adam_(gpu, gg, *state_g, [], steps=steps_g,
+                   found_inf=torch.zeros(flag_shape, device="cuda"), **kw)
+    assert all(s.item() == 3.0 for s in steps_g + steps_c)
+    # Bias corrections: host pow (CPU) vs device pow (CUDA) from the same counter value.
+    for a, b in zip(cpu + state_c[0] + state_c[1], gpu + state_g[0] + state_g[1]):
+        torch.testing.assert_close(b.cpu(), a)
+
+
+def test_cuda_l2_norm_flags_nonfinite():
+    _, gpu = _pair()
+    gpu[2][0, 0] = float("nan")
+    flag = torch.zeros(1, device="cuda")
+    norm = K.l2_norm(gpu, flag)
+    assert norm.dim() == 0 and norm.dtype == torch.float32 and norm.is_cuda
+    assert flag.item() == 1.0

@@ -40,6 +40,8 @@
 // micro-batches is fp32), then dropped from the low-precision parameter.
 #pragma once
 
+#include "compat/torch_compat.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -117,7 +119,7 @@ class Reducer {
 
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::vector<std::pair<compat::NodePtr, uintptr_t>> hooks_;  // compat/torch_compat.h
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   ReducerOptions options_;
   int64_t world_size_ = 1;

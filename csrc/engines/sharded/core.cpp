@@ -4,6 +4,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -40,6 +41,8 @@ void set_storage_bytes(const at::Tensor& t, size_t nbytes) {
   } else {
     auto* allocator = impl->allocator();
     if (allocator == nullptr) allocator = c10::GetAllocator(t.device().type());
+    // Device allocators (CUDA's caching allocator) allocate on the current device.
+    const c10::DeviceGuard guard(t.device());
     impl->set_data_ptr_noswap(allocator->allocate(nbytes));
   }
   impl->set_nbytes(nbytes);
@@ -197,7 +200,7 @@ void ShardedCore::launch_locked(size_t b) {
     bucket.reduced = at::empty({info.shard}, grads.options());
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;  // never AVG: the 1/N is in the fp32 accumulation
-    bucket.work = group_->reduce_scatter_single(bucket.reduced, grads, opts);
+    bucket.work = compat::reduce_scatter_single(*group_, bucket.reduced, grads, opts);
   } else {
     std::vector<at::Tensor> tensors{grads};
     c10d::AllreduceOptions opts;
@@ -349,7 +352,8 @@ void ShardedCore::gather_params() {
   int64_t bytes = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     inputs.push_back(gather_source(b));
-    works.push_back(group_->all_gather_single(buckets_[b].params_flat, inputs.back()));
+    works.push_back(compat::all_gather_single(*group_, buckets_[b].params_flat, inputs.back(),
+                                              c10d::AllgatherOptions()));
     bytes += static_cast<int64_t>(buckets_[b].params_flat.nbytes());
     count_gather(buckets_[b].params_flat);
   }
@@ -370,7 +374,8 @@ void ShardedCore::unshard_locked(bool async_op) {
       auto& flat = buckets_[b].params_flat;
       set_storage_bytes(flat, flat.nbytes());
       buckets_[b].gather_src = gather_source(b);
-      buckets_[b].gather = group_->all_gather_single(flat, buckets_[b].gather_src);
+      buckets_[b].gather = compat::all_gather_single(*group_, flat, buckets_[b].gather_src,
+                                                     c10d::AllgatherOptions());
       bytes += static_cast<int64_t>(flat.nbytes());
       count_gather(flat);
     }
@@ -424,7 +429,7 @@ std::vector<at::Tensor> ShardedCore::full_masters() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     auto full = at::empty({lb[b].padded}, master_.options());
     auto input = master_.narrow(0, lb[b].shard_offset, lb[b].shard);
-    group_->all_gather_single(full, input)->wait();
+    compat::all_gather_single(*group_, full, input, c10d::AllgatherOptions())->wait();
     for (size_t k = 0; k < lb[b].params.size(); ++k) {
       const auto i = lb[b].params[k];
       out[i] = full.narrow(0, lb[b].offsets[k], params_[i].numel()).view(params_[i].sizes()).clone();

@@ -99,6 +99,8 @@
 #include "engines/sharded/inflight.h"
 #include "engines/sharded/layout.h"
 
+#include "compat/torch_compat.h"
+
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -253,7 +255,7 @@ class ShardedCore {
   std::vector<bool> ready_;
   at::Tensor master_;
   at::Tensor grad_;
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::vector<std::pair<compat::NodePtr, uintptr_t>> hooks_;  // compat/torch_compat.h
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   CoreOptions options_;
   std::shared_ptr<InflightWindow> window_;

@@ -173,12 +173,6 @@ int64_t multi_tensor_apply(const std::vector<std::array<Slot, N>>& slots,
   return launched;
 }
 
-inline int64_t num_blocks(const std::vector<int64_t>& numels) {
-  int64_t n = 0;
-  for (int64_t x : numels) n += (x + kChunk - 1) / kChunk;
-  return n;
-}
-
 // Slots and sizes of parallel tensor lists (lists after the first may be empty).
 template <int N>
 void make_slots(const std::array<const std::vector<at::Tensor>*, N>& lists,

@@ -428,6 +428,11 @@ def _params_named_in_failing_line(error: BaseException, module: nn.Module) -> li
     return found
 
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor deprecated); 2.11 has
+# only all_gather_into_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class UnitOrderCheck:
     """[Note: unit order check]
     Every rank must gather the same units in the same order: the all-gathers are matched by
@@ -489,8 +494,7 @@ class UnitOrderCheck:
             self._read_snapshot()
             self._take_snapshot()
         self._mine.fill_(index)
-        # all_gather_into_tensor: in every supported torch (all_gather_single is newer than 2.11)
-        dist.all_gather_into_tensor(self._all, self._mine, group=self.group)
+        _all_gather(self._all, self._mine, group=self.group)
         if self.deferred:
             mismatch = (self._all != self._mine).any()
             first = mismatch & (self._first[0] == 0)

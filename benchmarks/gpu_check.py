@@ -143,6 +143,10 @@ def train(cfg: Config, device: str, backend: str, precision: str, *, lr: float =
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    # Accelerator.end_training() destroys the default group, even one it did not create: in
+    # the 2-rank harness the next run would then re-create it from the environment while
+    # the other rank still uses the old one. Only a run that made its group ends it.
+    owns_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     acc = Accelerator(mixed_precision=precision, backend=backend, cpu=device == "cpu", log_policy=False)
     try:
         model = tinylm(cfg.dim, cfg.layers)
@@ -185,7 +189,8 @@ def train(cfg: Config, device: str, backend: str, precision: str, *, lr: float =
                 "losses": [float(x) for x in losses],
                 "reads": dict(reads.by_op), "sync_errors": sync_errors}
     finally:
-        acc.end_training()
+        if owns_group:
+            acc.end_training()
         torch.set_num_threads(old_threads)
 
 

@@ -60,8 +60,9 @@ def test_compare_passes_within_and_fails_outside_the_tolerance():
 
 def test_cpu_twin_passes_with_its_negative_controls(tmp_path):
     report = tmp_path / "report.md"
+    # the step-time section is a report, not a check: left out to keep this test short
     out = _run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick",
-                "--report", str(report)])
+                "--only", "train", "--only", "kernels", "--report", str(report)])
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     lines = out.stdout.splitlines()
     cases = [line for line in lines if " world=" in line]

@@ -169,3 +169,23 @@ def test_gpu_check_sh_builds_its_venv_from_a_python_that_is_a_venv(tmp_path):
 def test_gpu_check_sh_rejects_an_unknown_argument():
     out = _run(["bash", ".ci/gpu_check.sh", "--fast"])
     assert out.returncode == 64 and "unknown argument '--fast'" in out.stderr
+
+
+def test_a_host_read_in_the_step_fails_the_case(monkeypatch):
+    import _common
+
+    real = _common.lm_loss
+
+    def reading_loss(logits, target):
+        loss = real(logits, target)
+        float(loss.detach())  # a host read, as a logging line would add
+        return loss
+
+    monkeypatch.setattr(_common, "lm_loss", reading_loss)
+    cfg = gpu_check.Config("cpu", True)
+    cfg.backends, cfg.world2 = ("single",), ()
+    lines = []
+    rows = gpu_check.check_training(cfg, lines.append)
+    assert [r["ok"] for r in rows] == [False, False], lines
+    assert all("host syncs in the step: reads {'aten::_local_scalar_dense': 2}" in p
+               for r in rows for p in r["problems"]), lines

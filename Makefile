@@ -32,7 +32,9 @@ bench: install
 	$(BIN)/pip install -q ".[bench]"
 	$(BIN)/python benchmarks/run_all.py
 
-# Needs a CUDA device (exits 2 without one); not part of `make test` or CI.
+# Needs a CUDA device (exits 2 without one); not part of `make test` or CI. Uses the machine's
+# own torch (GPU_PYTHON, default python3) offline; writes GPU_CHECK_REPORT (default
+# gpu-check-report.md). Its CPU twin runs in `make test` (tests/test_gpu_check.py).
 gpu-check:
 	bash .ci/gpu_check.sh
 

@@ -28,18 +28,28 @@ class DeviceScalars:
         self._host: dict = {}
         self._event = None
         device = next((t.device for t in tensors.values() if t is not None), None)
-        for name, t in tensors.items():
-            if t is None:
-                self._host[name] = None
-            elif device is not None and device.type == "cuda":
+        if device is None or device.type != "cuda":
+            for name, t in tensors.items():
+                self._host[name] = None if t is None else t.detach().to("cpu", copy=True)
+            return
+        # The copies and the event go on the current stream of the tensors' device, whatever
+        # device is current on the host thread: a device-to-host copy runs on its source
+        # device's current stream, and an event recorded on another device's stream would
+        # say nothing about it.
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device)
+            for name, t in tensors.items():
+                if t is None:
+                    self._host[name] = None
+                    continue
+                if t.device != device:
+                    raise ValueError(f"DeviceScalars: {name!r} is on {t.device} but the other values "
+                                     f"are on {device}; snapshot one device's values at a time")
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t.detach(), non_blocking=True)
                 self._host[name] = host
-            else:
-                self._host[name] = t.detach().to("cpu", copy=True)
-        if device is not None and device.type == "cuda":
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(stream)
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()

@@ -112,3 +112,45 @@ def test_cuda_l2_norm_flags_nonfinite():
     norm = K.l2_norm(gpu, flag)
     assert norm.dim() == 0 and norm.dtype == torch.float32 and norm.is_cuda
     assert flag.item() == 1.0
+
+
+def test_step_result_event_is_recorded_on_the_tensors_device_stream():
+    """G10: the snapshot's event goes on the current stream of the device holding the
+    values (src/mixprec/step.py), not on the host thread's current device's stream. With
+    two GPUs the host's current device is made the other one (what the old code recorded
+    on); with one the stream is still a side stream, which the event must follow."""
+    import contextlib
+
+    from mixprec.step import DeviceScalars, StepResult
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    other = torch.cuda.device(0) if device.index > 0 else contextlib.nullcontext()
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):  # side is cuda:N's current stream from here
+        found = torch.zeros(1, device=device)
+        torch.cuda._sleep(200_000_000)  # keep `side` busy: the copy queued behind it must wait
+        found.fill_(1.0)
+        scale = torch.full((1,), 8.0, device=device)
+        with other:
+            values = DeviceScalars({"found_inf": found, "loss_scale": scale, "grad_norm": None})
+    assert not values.ready()  # the event waits behind the sleep on `side`
+    result = StepResult.deferred(values, "overflow")
+    assert result.as_dict() == {"stepped": False, "reason": "overflow", "loss_scale": 8.0, "grad_norm": None}
+    assert values.ready()
+
+
+def test_step_result_snapshot_is_not_a_host_read():
+    """G2: the non-blocking copy into pinned memory is not counted by ScalarReads; a real
+    read is."""
+    from mixprec.diagnostics.syncs import ScalarReads
+    from mixprec.step import DeviceScalars
+
+    t = torch.ones(1, device="cuda")
+    with ScalarReads() as reads:
+        values = DeviceScalars({"found_inf": t, "loss_scale": None, "grad_norm": None})
+    assert reads.count == 0, dict(reads.by_op)
+    with ScalarReads() as reads:
+        t.cpu()
+        t.item()
+    assert reads.count == 2, dict(reads.by_op)
+    assert values.get("found_inf") == 1.0

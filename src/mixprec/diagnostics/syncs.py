@@ -12,6 +12,12 @@ operators are counted, so a CPU test proves the step issues none of them; a read
 C++ through a raw pointer on a CPU tensor is not a read of device memory and is not
 counted (mixprec's kernels read ``found_inf`` that way on CPU and on the device on CUDA).
 
+A copy from the device into *pinned* host memory with ``non_blocking=True`` is not a read:
+the host enqueues it and goes on, and nothing is known on the host until an event says the
+copy has landed (the lazy step results of src/mixprec/step.py snapshot their scalars that
+way). It is not counted; the same copy into pageable memory, or a blocking one, is (the
+host waits for it). :func:`copy_is_host_read` is that rule.
+
 :class:`Crossings` counts calls from Python into ``mixprec._C`` (functions and methods of
 its classes) with ``sys.setprofile``, per name.
 
@@ -40,7 +46,50 @@ _READ_OPS = {
 
 
 def _device_of(x) -> torch.device | None:
-    return x.device if isinstance(x, torch.Tensor) else None
+    device = getattr(x, "device", None)
+    return device if isinstance(device, torch.device) else None
+
+
+def copy_is_host_read(src_device, dst_device, *, non_blocking: bool, dst_pinned: bool) -> bool:
+    """Whether a copy from ``src_device`` to ``dst_device`` makes the host wait for the
+    device ([Note: counting host syncs]): device -> CPU copies do, except a non-blocking
+    one into pinned memory, which the host only enqueues. Meta tensors hold no data."""
+    if src_device is None or dst_device is None:
+        return False
+    src, dst = torch.device(src_device), torch.device(dst_device)
+    if src.type in ("cpu", "meta") or dst.type != "cpu":
+        return False
+    return not (non_blocking and dst_pinned)
+
+
+def _pinned(x) -> bool:
+    try:
+        return bool(x.is_pinned())
+    except (RuntimeError, AttributeError):  # no accelerator to pin with: not pinned
+        return False
+
+
+def classify_copy(name: str, args: tuple, kwargs: dict) -> str | None:
+    """The counter key for a copy operator call that reads device memory on the host, or
+    None when it does not (see :func:`copy_is_host_read`). ``name`` is ``aten::copy_``
+    (``dst.copy_(src, non_blocking)``) or ``aten::_to_copy`` (``src.to(device, ...,
+    non_blocking, pin_memory=...)``, a new tensor)."""
+    if name == "aten::copy_":
+        dst, src = args[0], args[1]
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        src_dev, dst_dev = _device_of(src), _device_of(dst)
+        pinned = dst_dev is not None and dst_dev.type == "cpu" and _pinned(dst)
+    elif name == "aten::_to_copy":
+        src_dev = _device_of(args[0])
+        dst_dev = kwargs.get("device") or src_dev
+        dst_dev = torch.device(dst_dev) if dst_dev is not None else None
+        non_blocking = bool(kwargs.get("non_blocking", False))
+        pinned = bool(kwargs.get("pin_memory", False))
+    else:
+        return None
+    if copy_is_host_read(src_dev, dst_dev, non_blocking=non_blocking, dst_pinned=pinned):
+        return f"{name} ({torch.device(src_dev).type}->cpu)"
+    return None
 
 
 class ScalarReads(TorchDispatchMode):
@@ -60,20 +109,10 @@ class ScalarReads(TorchDispatchMode):
         if name in _READ_OPS:
             self.by_op[name] += 1
         elif name in ("aten::_to_copy", "aten::copy_"):
-            self._count_copy(name, func, args, kwargs)
+            key = classify_copy(name, args, kwargs)
+            if key is not None:
+                self.by_op[key] += 1
         return func(*args, **kwargs)
-
-    def _count_copy(self, name, func, args, kwargs) -> None:
-        if name == "aten::copy_":
-            dst, src = args[0], args[1]
-            dst_dev, src_dev = _device_of(dst), _device_of(src)
-        else:
-            src_dev = _device_of(args[0])
-            dst_dev = kwargs.get("device") or src_dev
-            dst_dev = torch.device(dst_dev) if dst_dev is not None else None
-        if src_dev is not None and dst_dev is not None and src_dev.type != "cpu" \
-                and dst_dev.type == "cpu" and src_dev.type != "meta":
-            self.by_op[f"{name} ({src_dev.type}->cpu)"] += 1
 
 
 class Crossings:

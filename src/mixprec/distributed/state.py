@@ -90,7 +90,8 @@ def _env_str(name: str) -> str:
 
 
 def init_distributed(
-    device: torch.device, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    device: torch.device, *, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    backend: Optional[str] = None,
 ) -> DistributedState:
     """Join the job described by the environment and return this process's state.
 
@@ -99,6 +100,17 @@ def init_distributed(
     ``MASTER_ADDR`` and ``MASTER_PORT`` (Gloo for a CPU ``device``, NCCL for CUDA, where the
     current CUDA device is set from ``LOCAL_RANK`` first). An already initialised default
     group is reused (its backend and size must match the environment).
+
+    [Note: ranks sharing a GPU]
+    NCCL needs one device per rank, so with CUDA and no device index, ``LOCAL_RANK`` must be
+    below ``torch.cuda.device_count()``; otherwise this raises naming both (before any CUDA
+    call, instead of the CUDA error of ``set_device(cuda:LOCAL_RANK)``). Gloo moves CUDA
+    tensors through the host, so ranks may share devices: with ``backend="gloo"``, or an
+    already initialised Gloo default group (the test harness's, see
+    src/mixprec/distributed/spawn.py), rank ``LOCAL_RANK`` uses ``cuda:(LOCAL_RANK %
+    device_count)``: two ranks on one GPU (benchmarks/gpu_check.py's world=2 cases).
+    ``backend`` (``"nccl"`` or ``"gloo"``; default: NCCL for CUDA, Gloo for the CPU) picks the
+    group's backend when this call creates it.
 
     Example::
 
@@ -125,14 +137,23 @@ def init_distributed(
             f"environment variable LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size}"
         )
     node_rank = _env_int("GROUP_RANK", default=rank // local_world_size)
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r} is not supported; use 'nccl' (CUDA) or 'gloo' (CPU, or CUDA "
+                         f"tensors through the host) or None for the device's default")
+    existing = str(dist.get_backend()) if dist.is_initialized() else None
+    if backend is not None and existing is not None and existing != backend:
+        raise ValueError(f"backend={backend!r} was asked for but the default process group already uses "
+                         f"{existing!r}; pass backend={existing!r} (or None), or destroy the group first")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device} was asked for but CUDA is not available; pass torch.device('cpu')")
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
+        backend = backend or existing or "nccl"
+        device = _cuda_device_for(device, local_rank, backend)
         torch.cuda.set_device(device)
-        backend = "nccl"
     elif device.type == "cpu":
+        if backend == "nccl":
+            raise ValueError("backend='nccl' needs CUDA tensors but device is the CPU; pass "
+                             "backend='gloo' (or None) or a 'cuda' device")
         backend = "gloo"
     else:
         raise ValueError(f"device={device} is not supported for multi-process runs; use a 'cpu' or 'cuda' device")
@@ -166,6 +187,27 @@ def init_distributed(
         backend=backend,
         group=dist.group.WORLD,
         device=device,
+    )
+
+
+def _cuda_device_for(device: torch.device, local_rank: int, backend: str) -> torch.device:
+    """The CUDA device of this rank ([Note: ranks sharing a GPU])."""
+    count = torch.cuda.device_count()
+    if device.index is not None:
+        if device.index >= count:
+            raise ValueError(f"device={device} was asked for but this machine has {count} CUDA device(s) "
+                             f"(cuda:0..cuda:{count - 1}); pass an index below {count}")
+        return device
+    if local_rank < count:
+        return torch.device("cuda", local_rank)
+    if backend == "gloo":
+        return torch.device("cuda", local_rank % count)  # ranks share the device (Gloo only)
+    raise ValueError(
+        f"LOCAL_RANK={local_rank} would use cuda:{local_rank} but this machine has {count} CUDA "
+        f"device(s) (torch.cuda.device_count()={count}) and NCCL needs one device per rank. Fix: "
+        f"start at most {count} process(es) per node (--nproc-per-node {count}), or let ranks "
+        f"share a device over Gloo (init_distributed(device, backend='gloo'), or initialise a Gloo "
+        f"default group first)"
     )
 
 

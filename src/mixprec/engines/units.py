@@ -428,6 +428,11 @@ def _params_named_in_failing_line(error: BaseException, module: nn.Module) -> li
     return found
 
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor deprecated); 2.11 has
+# only all_gather_into_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class UnitOrderCheck:
     """[Note: unit order check]
     Every rank must gather the same units in the same order: the all-gathers are matched by
@@ -440,35 +445,100 @@ class UnitOrderCheck:
     difference. Leaf modules are the fix: the block is gathered whole on every rank. Only
     forward gathers are checked: backward re-gathers the same units in reverse order, so a
     divergence shows in forward first, and the check costs one small collective per unit
-    per step (benchmarks/bench_unit_check.py measures it)."""
+    per step (benchmarks/bench_unit_check.py measures it).
 
-    def __init__(self, group, names: list[str], device: torch.device = torch.device("cpu")) -> None:
+    [Note: deferred unit order check]
+    Under Gloo the indices are CPU tensors and the comparison is immediate (no device to
+    wait for). Under NCCL they live on the device and reading them after each all-gather
+    would stall the host once per unit per forward, so the check is deferred (``deferred``
+    defaults to "the group is NCCL"): each call compares on the device and keeps, in a
+    device buffer, a sticky mismatch flag with the first mismatch's indices. Every ``lag``
+    calls (default: the number of units, about one forward) the buffer is copied,
+    non-blocking, into pinned host memory behind an event, and the copy taken ``lag`` calls
+    earlier is read (the event waited for; it was recorded a forward ago, so it has almost
+    always completed, and an event wait is not a stream sync). The call counts are the same
+    on every rank (each call is a collective), and so is the gathered data, so every rank
+    raises the same :class:`UnitOrderError` at the same call, between ``lag`` and ``2*lag``
+    calls after the first difference, the error saying so. What is lost is only promptness:
+    the parameter gathers of those calls have already run mismatched."""
+
+    def __init__(self, group, names: list[str], device: torch.device = torch.device("cpu"), *,
+                 deferred: Optional[bool] = None, lag: Optional[int] = None) -> None:
         self.group = group
         self.names = names
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # NCCL moves device tensors only; Gloo takes CPU ones (then the read below costs no
-        # device sync). On a GPU with NCCL the read is one host sync per unit per forward:
-        # check_unit_order: false removes it once the unit order is known to be fixed.
-        if dist.get_backend(group) != "nccl":
+        # NCCL moves device tensors only; Gloo takes CPU ones (the immediate read below then
+        # costs no device sync). check_unit_order: false removes the check altogether.
+        nccl = dist.get_backend(group) == "nccl"
+        if not nccl:
             device = torch.device("cpu")
+        self.device = torch.device(device)
+        self.deferred = nccl if deferred is None else bool(deferred)
+        if lag is not None and (not isinstance(lag, int) or lag < 1):
+            raise ValueError(f"lag={lag!r} must be an int >= 1 (calls between two reads of the deferred check)")
+        self.lag = lag if lag is not None else max(1, len(names))
         self._mine = torch.zeros(1, dtype=torch.int64, device=device)
         self._all = torch.zeros(self.world, dtype=torch.int64, device=device)
+        self._calls = 0
+        # Deferred: [mismatch flag, index this rank wanted, index each rank sent] of the first
+        # mismatch; flag 0 until one happens.
+        self._first = torch.zeros(self.world + 2, dtype=torch.int64, device=device)
+        self._host = None  # the snapshot of _first being copied to the host
+        self._event = None  # completes when _host holds it (None on the CPU)
+        self._snapshot_call = 0
 
     def __call__(self, index: int) -> None:
+        self._calls += 1
+        if self.deferred and self._calls % self.lag == 0:
+            self._read_snapshot()
+            self._take_snapshot()
         self._mine.fill_(index)
-        dist.all_gather_single(self._all, self._mine, group=self.group)
-        seen = self._all.tolist()
-        if all(i == index for i in seen):
+        _all_gather(self._all, self._mine, group=self.group)
+        if self.deferred:
+            mismatch = (self._all != self._mine).any()
+            first = mismatch & (self._first[0] == 0)
+            row = torch.cat([torch.ones_like(self._mine), self._mine, self._all])
+            self._first.copy_(torch.where(first, row, self._first))
             return
+        seen = self._all.tolist()
+        if any(i != index for i in seen):
+            self._raise(index, seen, "")
+
+    def _take_snapshot(self) -> None:
+        self._snapshot_call = self._calls
+        if self.device.type != "cuda":
+            self._host = self._first.clone()
+            return
+        with torch.cuda.device(self.device):
+            if self._host is None:
+                self._host = torch.empty(self._first.shape, dtype=self._first.dtype, pin_memory=True)
+            self._host.copy_(self._first, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(self.device))
+
+    def _read_snapshot(self) -> None:
+        if self._host is None:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        values = self._host.numpy().tolist()
+        if values[0]:
+            self._raise(values[1], values[2:],
+                        f" (deferred check, [Note: deferred unit order check] in "
+                        f"src/mixprec/engines/units.py: found by call {self._calls} of this "
+                        f"process's check, at most {2 * self.lag} calls after the difference)")
+
+    def _raise(self, index: int, seen: list, note: str) -> None:
         theirs = {r: (self.names[i] if 0 <= i < len(self.names) else f"#{i}") for r, i in enumerate(seen)}
         listing = ", ".join(f"rank {r}: {n!r}" for r, n in theirs.items())
+        mine = self.names[index] if 0 <= index < len(self.names) else f"#{index}"
         raise UnitOrderError(
             f"ranks gather different sharding units at the same point ({listing}); this rank "
-            f"({self.rank}) wanted {self.names[index]!r}. A unit that only some ranks call (e.g. "
+            f"({self.rank}) wanted {mine!r}{note}. A unit that only some ranks call (e.g. "
             "mixture-of-experts experts chosen per rank) cannot be gathered per unit. Fix: make "
             "the block that routes between them a leaf module (zero3/fsdp option "
             "leaf_module_classes: [<block class>], or mixprec.set_leaf_modules(model, [<block "
             "class>])), so every rank gathers it whole.",
-            mine=self.names[index], theirs=theirs,
+            mine=mine, theirs=theirs,
         )

@@ -289,10 +289,14 @@ def test_layout_reverse_order_even_split():
     assert all(m[0] == pmap for m in maps)
     assert [i for b in buckets for i in b] == list(range(9, -1, -1))  # [Note: bucket order]
     assert pmap["0.weight"][1:] == (231, (7, 33))
+    assert all(offset % 4 == 0 for offset, _numel, _shape in pmap.values())  # 16-byte slots
     per_rank = [s for _, s in shards]
     for b, s in zip(buckets, per_rank):
-        numel = sum(231 if i % 2 == 0 else 7 for i in b)
-        assert s * world >= numel > (s - 1) * world  # padded to a multiple of N, minimally
+        end = 0  # [Note: aligned slots]: each slot at the first 4-element boundary after the last
+        for i in b:
+            end = -(-end // 4) * 4 + (231 if i % 2 == 0 else 7)
+        # padded to a multiple of N * 4 elements, minimally
+        assert s % 4 == 0 and s * world >= end > (s - 4) * world
 
 
 

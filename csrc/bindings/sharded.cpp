@@ -52,6 +52,11 @@ void init_sharded(py::module_& m) {
       .def("grad_shard_bytes", &ShardedCore::grad_shard_bytes)
       .def("ensure_grad_shard", &ShardedCore::ensure_grad_shard)
       .def("has_grads", &ShardedCore::has_grads)
+      .def("set_launch_from_hooks", &ShardedCore::set_launch_from_hooks, py::arg("on"))
+      .def_property_readonly("launch_from_hooks", &ShardedCore::launch_from_hooks)
+      .def("launch_all", &ShardedCore::launch_all, py::call_guard<py::gil_scoped_release>())
+      .def("end_backward", &ShardedCore::end_backward, py::call_guard<py::gil_scoped_release>())
+      .def("share_backward_count", &ShardedCore::share_backward_count, py::arg("other"))
       .def("gather_params", &ShardedCore::gather_params, py::call_guard<py::gil_scoped_release>())
       .def("unshard", &ShardedCore::unshard, py::arg("async_op") = false,
            py::call_guard<py::gil_scoped_release>())

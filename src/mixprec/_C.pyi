@@ -225,6 +225,17 @@ class ShardedCore:
     def grad_shard_bytes(self) -> int: ...
     def ensure_grad_shard(self) -> None: ...
     def has_grads(self) -> bool: ...
+    def set_launch_from_hooks(self, on: bool) -> None:
+        """False: the hooks only accumulate; the engine launches the reductions with
+        ``launch_all`` / ``end_backward`` ([Note: agreed reductions] in core.h)."""
+    @property
+    def launch_from_hooks(self) -> bool: ...
+    def launch_all(self) -> None:
+        """Launch every bucket not launched in this backward (zeros where no gradient)."""
+    def end_backward(self) -> None:
+        """``launch_all`` then complete this core's reductions (end of a syncing backward)."""
+    def share_backward_count(self, other: ShardedCore) -> None:
+        """Count backward hooks with ``other`` (the cores of one model) for ``reduce``."""
     def gather_params(self) -> None:
         """All-gather the owned masters, rounded to the storage dtype, into the parameters."""
     def unshard(self, async_op: bool = False) -> None: ...

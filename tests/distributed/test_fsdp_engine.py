@@ -280,9 +280,9 @@ def _comm_with_root(state, reshard_after_forward):
         def __init__(self):
             super().__init__()
             self.a = nn.Linear(16, 32)
-            self.b = nn.Linear(32, 4)
+            self.b = nn.Linear(32, 16)
             self.norm = nn.LayerNorm(32)  # root
-            self.shift = nn.Parameter(torch.zeros(4))  # root
+            self.shift = nn.Parameter(torch.zeros(16))  # root
 
         def forward(self, x):
             return self.b(self.norm(self.a(x)).relu()) + self.shift
@@ -298,7 +298,7 @@ def _comm_with_root(state, reshard_after_forward):
     acc.engine.reset_comm_counters()
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(2):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
         acc.backward(nn.functional.mse_loss(model(x).float(), y))
         opt.step()
         opt.zero_grad()
@@ -309,8 +309,10 @@ def _comm_with_root(state, reshard_after_forward):
 def test_comm_counters_root_is_gathered_once_units_twice():
     """Stage-3 payload per step: reduce P, gather each unit twice (forward, backward) and the
     root once (it stays gathered from forward to the end of backward): 3P - root. With
-    reshard_after_forward=False every unit stays gathered too: 2P. All sizes are even, so no
-    bucket needs padding at N=2. Between steps only the shards are held (params = 0 bytes)."""
+    reshard_after_forward=False every unit stays gathered too: 2P. Every parameter is a
+    whole number of 16-byte bf16 slots and every bucket a multiple of 2 x 8 elements, so no
+    bucket needs padding at N=2 ([Note: aligned slots] in csrc/engines/sharded/layout.h).
+    Between steps only the shards are held (params = 0 bytes)."""
     for reduced, gathered, root, total, mem in run_distributed(_comm_with_root, 2, args=(True,)):
         assert reduced == total
         assert gathered == 2 * (total - root) + root

@@ -116,12 +116,16 @@ void Reducer::build_buckets() {
     const auto& first = slots_[bucket.slots.front()];
     const auto dtype = reduce_dtype_of(first);
     int64_t numel = 0;
+    int64_t grad_numel = 0;
+    // [Note: aligned bucket views]: every view starts at a 16-byte boundary of the bucket.
+    const int64_t align = std::max<int64_t>(1, 16 / static_cast<int64_t>(c10::elementSize(dtype)));
     for (auto i : bucket.slots) {
       slots_[i].bucket = b;
-      slots_[i].offset = numel;
-      numel += slots_[i].target.numel();
+      slots_[i].offset = (numel + align - 1) / align * align;
+      numel = slots_[i].offset + slots_[i].target.numel();
+      grad_numel += slots_[i].target.numel();
     }
-    bucket.grad_numel = numel;
+    bucket.grad_numel = grad_numel;
     // [Note: non-finite check in the copy-in]: one more element in the last bucket.
     const bool flag_here = options_.check_nonfinite && b + 1 == closed.size();
     bucket.storage = at::zeros({numel + (flag_here ? 1 : 0)}, first.target.options().dtype(dtype));
@@ -262,7 +266,16 @@ void Reducer::finalize() {
   if (!unused.empty() && !options_.find_unused_parameters) {
     std::ostringstream names;
     for (size_t k = 0; k < unused.size(); ++k) names << (k ? ", " : "") << slots_[unused[k]].name;
-    // Buckets already launched must still complete on this rank before we raise.
+    // Whether a parameter got a gradient is this rank's view: another rank that used it
+    // launches its bucket. So every bucket is still launched here (zeros for the unused),
+    // and completed, before this rank raises: the ranks' collectives stay paired (a
+    // missing all-reduce hangs NCCL and desyncs Gloo), as in [Note: agreed reductions] in
+    // csrc/engines/sharded/core.h.
+    for (auto i : unused) {
+      slots_[i].view.zero_();
+      mark_ready_locked(i);
+    }
+    launch_ready_locked();
     for (auto& bucket : buckets_) {
       if (bucket.work) bucket.work->wait();
     }

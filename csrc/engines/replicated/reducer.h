@@ -34,6 +34,16 @@
 // produced: one written into .grad afterwards by the caller is not checked again, and a
 // backward without a sync (no_sync) leaves no flag, so the step then checks by itself.
 //
+// [Note: aligned bucket views]
+// Each gradient's view starts at a 16-byte boundary of its bucket (a multiple of 4
+// elements in fp32, 8 in bf16/fp16), so the .grad tensors the optimizer's multi-tensor
+// kernels read are as aligned as separately allocated tensors and take the vectorised
+// path (csrc/kernels/cuda/multi_tensor_apply.cuh, [Note: vectorised loads]). The gaps
+// (at most 15 bytes per parameter) are zero from allocation, are written by no hook
+// (views cover only their gradient) and all-reduce to zero; they are never part of a
+// .grad. The flag element of [Note: non-finite check in the copy-in] follows the last
+// view, unaligned: it is read by itself.
+//
 // [Note: low-precision parameters]
 // A bf16/fp16 parameter with an fp32 master: its gradient is folded into the
 // master's fp32 gradient by the hook on every backward (so accumulation across
@@ -103,7 +113,7 @@ class Reducer {
   };
   struct Bucket {
     at::Tensor storage;         // flat, reduce dtype (+1 flag element: last bucket, see above)
-    int64_t grad_numel = 0;     // gradient elements in storage
+    int64_t grad_numel = 0;     // gradient elements in storage (alignment gaps not counted)
     std::vector<size_t> slots;  // indices into slots_
     size_t pending = 0;         // slots not ready yet in this backward
     bool grad_is_view = false;  // target grads are views of storage

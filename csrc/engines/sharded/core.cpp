@@ -143,6 +143,14 @@ bool ShardedCore::on_grad_ready(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto& g = params_[index].mutable_grad();
   if (!g.defined()) return false;
+  // [Note: agreed reductions] in core.h.
+  hooks_fired_->fetch_add(1);
+  TORCH_CHECK(!(launched_all_ && sync_ && options_.reduce_in_backward), "parameter '",
+              layout_.params()[index].name, "' received its gradient after its sharding unit's "
+              "reductions were launched in this backward (the unit runner launches a unit once "
+              "a unit that ran its forward earlier starts its backward): a parameter of the unit "
+              "is used outside the unit's forward. Make the module using it part of the unit "
+              "(or a leaf module), or use units=[]");
   const size_t b = layout_.bucket_of(index);
   auto& bucket = buckets_[b];
   // [Note: gradient reduction]: 1/N fused into the fp32 accumulation into the bucket.
@@ -158,6 +166,10 @@ bool ShardedCore::on_grad_ready(size_t index) {
               "' received its gradient twice in one backward; the sharded engine reduces each "
               "parameter once per backward (reentrant/double backward through the same parameter "
               "is not supported; use no_sync() for the earlier passes)");
+  if (!launch_from_hooks_) {
+    ready_[index] = true;  // launched by launch_all() / end_backward() ([Note: agreed reductions])
+    return false;
+  }
   if (!callback_queued_) {
     torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
     callback_queued_ = true;
@@ -285,6 +297,8 @@ void ShardedCore::finalize_backward() {
   std::fill(ready_.begin(), ready_.end(), false);
   next_launch_ = 0;
   callback_queued_ = false;
+  launched_all_ = false;
+  hooks_reduced_ = hooks_fired_->load();  // [Note: agreed reductions]
 }
 
 void ShardedCore::reduce() {
@@ -295,9 +309,12 @@ void ShardedCore::reduce() {
 void ShardedCore::reduce_locked() {
   bool any = false;
   for (const auto& bucket : buckets_) any = any || bucket.dirty;
-  // Every rank runs the same backward calls, so `any` agrees across ranks; all buckets go
-  // (a bucket clean on one rank may be dirty on another).
-  if (!any) return;
+  // [Note: agreed reductions]: `any` alone is this rank's view (a unit skipped here may
+  // hold gradients on another rank); a hook of the model's cores since the last reduction
+  // means a backward went through the model on every rank. All buckets go.
+  const uint64_t fired = hooks_fired_->load();
+  if (!any && fired == hooks_reduced_) return;
+  hooks_reduced_ = fired;
   for (size_t b = 0; b < buckets_.size(); ++b) launch_locked(b);
   for (size_t b = 0; b < buckets_.size(); ++b) complete_locked(b);
   bytes_reduced_last_ = bytes_reduced_running_;
@@ -336,6 +353,7 @@ void ShardedCore::zero_grad(bool release) {
     bucket.dirty = false;
   }
   has_grads_ = false;
+  hooks_reduced_ = hooks_fired_->load();  // dropped: nothing left to reduce
 }
 
 at::Tensor ShardedCore::gather_source(size_t b) const {
@@ -447,6 +465,42 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> ShardedCore
                      r.param_offset, r.numel);
   }
   return out;
+}
+
+void ShardedCore::set_launch_from_hooks(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  launch_from_hooks_ = on;
+}
+
+bool ShardedCore::launch_all_locked() {
+  // [Note: agreed reductions]: parameters without a gradient here count as zero.
+  for (auto& bucket : buckets_) bucket.pending = 0;
+  launched_all_ = true;
+  return launch_ready_locked();
+}
+
+void ShardedCore::launch_all() {
+  bool pushed = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!sync_ || !options_.reduce_in_backward || launched_all_) return;
+    pushed = launch_all_locked();
+  }
+  if (pushed) drain_window();  // outside the lock, as from a hook
+}
+
+void ShardedCore::end_backward() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!sync_ || !options_.reduce_in_backward) return;
+  }
+  finalize_backward();
+}
+
+void ShardedCore::share_backward_count(const ShardedCore& other) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  hooks_fired_ = other.hooks_fired_;
+  hooks_reduced_ = hooks_fired_->load();
 }
 
 int64_t ShardedCore::grad_bucket_bytes() const {

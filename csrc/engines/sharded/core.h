@@ -94,6 +94,32 @@
 // grad_bucket_peak_bytes() is the window's high-water mark of allocated bucket bytes
 // (a check from inside); tests/distributed/test_grad_memory.py measures the process's
 // resident set instead.
+//
+// [Note: agreed reductions]
+// Collectives are matched by their position in each rank's sequence, so whether and when a
+// rank launches a bucket's reduction must not depend on which gradients it got: a unit
+// used on one rank only (a layer skipped on some ranks) must not make the ranks issue
+// different collectives (a hang under NCCL, a desync under Gloo). No host sync decides it:
+// every rank reduces every bucket of every core that a backward went through, contributing
+// zeros where it has no gradient, at points that do not depend on the gradients:
+// * Hook mode (zero2; launch_from_hooks, the default): a bucket launches when its
+//   gradients are ready AND every earlier bucket has launched, else in the end-of-backward
+//   callback, which launches every bucket left. One core per model, and no other
+//   collective during backward, so the sequence is the bucket order on every rank.
+// * Engine mode (zero3/fsdp units: set_launch_from_hooks(false)): the hooks only
+//   accumulate; the unit runner (src/mixprec/engines/units.py, [Note: agreed launch
+//   points]) calls launch_all() for a unit when another unit's backward starts that
+//   began its forward before the unit started its own (so every gradient of the unit has
+//   been produced), and end_backward() for every unit at the end of backward, in unit
+//   order. Those points follow the units' backward gathers, which every rank issues
+//   alike. A gradient reaching a unit after launch_all() in the same backward is refused.
+// * reduce() (ZeRO-1 at the step, leaf units, buckets accumulated under no_sync): it
+//   reduces when the core holds unreduced gradients OR any hook of the cores of its model
+//   (share_backward_count()) fired since its last reduction, i.e. a backward went through
+//   the model, which every rank's backward does alike. The count is per model, so a
+//   second model that no backward reached is not reduced.
+// A rank whose backward gives no gradient at all to a model (its loss ignores the model)
+// still differs; every other case issues the same collectives on every rank.
 #pragma once
 
 #include "engines/sharded/inflight.h"
@@ -169,6 +195,18 @@ class ShardedCore {
   void ensure_grad_shard();
   // True when a reduction landed in the gradient shard since the last zero_grad().
   bool has_grads() const { return has_grads_; }
+  // [Note: agreed reductions]. false: the hooks only accumulate, and the engine launches the
+  // buckets with launch_all() / end_backward() at points every rank agrees on.
+  void set_launch_from_hooks(bool on);
+  bool launch_from_hooks() const { return launch_from_hooks_; }
+  // Launch every bucket not launched in this backward (zeros for parameters that got no
+  // gradient on this rank); no-op outside a syncing reduce_in_backward core or when done.
+  void launch_all();
+  // launch_all(), then complete every reduction of this core, as the end-of-backward
+  // callback does in hook mode.
+  void end_backward();
+  // Count backward hooks together with `other` (the cores of one model), for reduce().
+  void share_backward_count(const ShardedCore& other);
   // All-gather every bucket's owned masters, rounded to the storage dtype, into the model's
   // parameters.
   void gather_params();
@@ -248,6 +286,7 @@ class ShardedCore {
   void reshard_locked();
   at::Tensor gather_source(size_t b) const;
   void ensure_grad_shard_locked();
+  bool launch_all_locked();
 
   Layout layout_;
   std::vector<at::Tensor> params_;
@@ -264,6 +303,11 @@ class ShardedCore {
   bool has_grads_ = false;
   bool unsharded_ = true;
   size_t grads_seen_ = 0;  // gradients received since the last unshard (reshard_after_backward)
+  // [Note: agreed reductions]
+  bool launch_from_hooks_ = true;
+  bool launched_all_ = false;  // launch_all() ran in this backward
+  std::shared_ptr<std::atomic<uint64_t>> hooks_fired_ = std::make_shared<std::atomic<uint64_t>>(0);
+  uint64_t hooks_reduced_ = 0;  // hooks_fired_ when this core last reduced (or dropped) gradients
   size_t next_launch_ = 0;
   int64_t bytes_reduced_running_ = 0;
   int64_t bytes_reduced_last_ = 0;

@@ -7,6 +7,13 @@
 
 namespace mixprec::engines::sharded {
 
+int64_t slot_alignment(c10::ScalarType storage_dtype) {
+  // See [Note: aligned slots]: one offset serves the storage-dtype parameter buffer and the
+  // fp32 gradient buckets and shards, so it must align both.
+  const int64_t bytes = std::min<int64_t>(static_cast<int64_t>(c10::elementSize(storage_dtype)), 4);
+  return kSlotAlignBytes / bytes;
+}
+
 Layout::Layout(std::vector<LayoutParam> params, int64_t world_size, int64_t rank,
                int64_t bucket_cap_bytes, int64_t first_bucket_cap_bytes)
     : params_(std::move(params)), world_size_(world_size), rank_(rank) {
@@ -48,20 +55,24 @@ Layout::Layout(std::vector<LayoutParam> params, int64_t world_size, int64_t rank
     auto& bucket = buckets_[b];
     bucket.params = std::move(closed[b]);
     bucket.storage_dtype = params_[bucket.params.front()].storage_dtype;
+    // See [Note: aligned slots].
+    const int64_t align = slot_alignment(bucket.storage_dtype);
     for (auto i : bucket.params) {
+      const int64_t offset = (bucket.numel + align - 1) / align * align;
       bucket_of_[i] = b;
-      offset_of_[i] = bucket.numel;
-      bucket.offsets.push_back(bucket.numel);
-      bucket.numel += params_[i].numel;
+      offset_of_[i] = offset;
+      bucket.offsets.push_back(offset);
+      bucket.numel = offset + params_[i].numel;
+      param_numel_ += params_[i].numel;
     }
-    // See [Note: even split].
-    bucket.padded = (bucket.numel + world_size_ - 1) / world_size_ * world_size_;
+    // See [Note: even split]: every shard a whole number of aligned slots.
+    const int64_t unit = world_size_ * align;
+    bucket.padded = (bucket.numel + unit - 1) / unit * unit;
     bucket.shard = bucket.padded / world_size_;
     bucket.shard_offset = shard_numel_;
     bucket.global_offset = padded_numel_;
     shard_numel_ += bucket.shard;
     padded_numel_ += bucket.padded;
-    param_numel_ += bucket.numel;
   }
 }
 

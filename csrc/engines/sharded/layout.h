@@ -16,6 +16,20 @@
 // from the transport. The padding is zero in gradients and parameters and is
 // never shown to the optimizer. A rank's flat shard is the concatenation of its
 // slices of all buckets, in bucket order.
+//
+// [Note: aligned slots]
+// Every parameter's slot starts at a 16-byte boundary of the bucket (kSlotAlignBytes), and
+// every bucket is padded to a multiple of N * that alignment, so every shard, every shard
+// offset, and so every owned range that starts a parameter or a shard is 16-byte aligned
+// in all the flat buffers that share the bucket's offsets: the storage-dtype parameter
+// buffer (bf16/fp16: multiples of 8 elements), the fp32 gradient buckets, the fp32 master
+// and gradient shards (multiples of 4). The alignment in elements is 16 bytes over the
+// narrower of the storage dtype and fp32 (slot_alignment). The CUDA multi-tensor kernels
+// take their vectorised path only when every operand is 16-byte aligned
+// (csrc/kernels/cuda/multi_tensor_apply.cuh); a shard segment at an odd offset would make
+// the whole tensor scalar. The gaps (at most 15 bytes per parameter) are padding like the
+// even-split tail: zero in every buffer, owned by no parameter, never part of a segment
+// the optimizer steps (src/mixprec/engines/sharded.py) nor of a checkpoint.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -27,6 +41,10 @@
 
 namespace mixprec::engines::sharded {
 
+constexpr int64_t kSlotAlignBytes = 16;  // [Note: aligned slots]
+// Elements per aligned step of a bucket whose parameters are stored in `storage_dtype`.
+int64_t slot_alignment(c10::ScalarType storage_dtype);
+
 struct LayoutParam {
   std::string name;
   std::vector<int64_t> shape;
@@ -37,9 +55,9 @@ struct LayoutParam {
 
 struct LayoutBucket {
   std::vector<size_t> params;  // indices into the param list, in layout order
-  std::vector<int64_t> offsets;  // element offset of each param in the bucket
-  int64_t numel = 0;           // used elements
-  int64_t padded = 0;          // numel rounded up to a multiple of the world size
+  std::vector<int64_t> offsets;  // element offset of each param in the bucket (aligned)
+  int64_t numel = 0;           // end of the last param's slot (alignment gaps included)
+  int64_t padded = 0;          // numel rounded up to a multiple of world size * alignment
   int64_t shard = 0;           // padded / world_size: elements each rank owns
   int64_t shard_offset = 0;    // where this bucket's shard starts in the rank's flat shard
   int64_t global_offset = 0;   // where the bucket starts in the global padded flat space

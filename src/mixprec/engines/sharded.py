@@ -66,7 +66,9 @@ def build_segments(core, group_of: dict[int, int], params: list[torch.Tensor]) -
 
     ``params`` are the core's parameters in registration order; ``group_of`` maps
     ``id(param)`` to its param-group index. Consecutive owned ranges of one bucket and one
-    group are merged so the optimizer sees few, large tensors."""
+    group are merged so the optimizer sees few, large tensors; ranges separated by an
+    alignment gap ([Note: aligned slots] in csrc/engines/sharded/layout.h) are not, so the
+    padding never reaches the optimizer and every segment starts 16-byte aligned."""
     master = core.master_shard
     runs: list[list[int]] = []  # [group, bucket, shard_offset, numel]
     for index, bucket, offset, _param_offset, numel in core.owned_ranges():

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..diagnostics.locate import failing_module
 from ..errors import UnitOrderError, UnshardedParameterError
@@ -232,6 +232,11 @@ class Unit:
     core: object  # _C.ShardedCore
     reshard_after_forward: bool
     is_root: bool = False
+    # [Note: agreed launch points]: when this unit's last forward began and ended (the
+    # runner's clock), and whether its reductions were launched in the current backward.
+    forward_began: int = -1
+    forward_ended: int = -1
+    launched: bool = False
 
 
 @dataclass
@@ -254,9 +259,23 @@ class UnitRunner:
     Backward order is the reverse of forward order. Entering unit i's backward, the async
     all-gather of the unit before it in forward order is launched BEFORE unit i computes,
     so that gather overlaps unit i's backward; forward does the same with the next unit.
-    Every rank runs the same graph, so every rank issues the gathers (and the gradient
-    reductions the core launches from its hooks) in the same order. At most two units are
-    gathered at once besides the root.
+    Every rank runs the same units in the same order, so every rank issues the gathers
+    (and the gradient reductions, [Note: agreed launch points]) in the same order. At most
+    two units are gathered at once besides the root.
+
+    [Note: agreed launch points]
+    The units' gradient reductions are launched here, not by the cores' hooks, at points
+    that do not depend on which gradients a rank got ([Note: agreed reductions] in
+    csrc/engines/sharded/core.h): a unit one rank does not use (its forward returns the
+    input unchanged there) must still reduce, with zeros, at the same position in every
+    rank's sequence of collectives, between the same backward gathers. Entering unit k's
+    backward, every unit whose backward started earlier and whose forward began after k's
+    forward ended is launched (``launch_all``), before k is gathered: all of such a unit's
+    autograd nodes were recorded after k's, so autograd has run them, and accumulated their
+    parameters' gradients, before k's first node. A unit nested in k (or the root) waits.
+    The end-of-backward callback calls ``end_backward`` on every unit in unit order (launch
+    what is left, then complete), then frees what is still gathered. Both depend only on
+    the forward and backward order of the units, which every rank shares.
     """
 
     units: list[Unit]
@@ -266,6 +285,8 @@ class UnitRunner:
     order: list[Unit] = field(default_factory=list)  # forward order of the last forward
     _current: list[Unit] = field(default_factory=list)
     _callback_queued: bool = False
+    _clock: int = 0  # forward hooks seen ([Note: agreed launch points])
+    _entered: list[Unit] = field(default_factory=list)  # units whose backward started, in order
     _handles: list = field(default_factory=list)  # module hook handles, removed by uninstall()
 
     def install(self) -> None:
@@ -280,8 +301,11 @@ class UnitRunner:
             module = unit.module()
             if unit.core is None or module is None:
                 continue
+            if hasattr(unit.core, "set_launch_from_hooks"):
+                unit.core.set_launch_from_hooks(False)  # [Note: agreed launch points]
             self._handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: runner().pre_forward(u)))
-            self._handles.append(module.register_forward_hook(lambda m, a, out, u=unit: runner().post_forward(u, out)))
+            self._handles.append(module.register_forward_hook(
+                lambda m, a, out, u=unit: runner().post_forward(u, out, a)))
 
     def uninstall(self) -> None:
         """Remove the module hooks and drop the cores (end of training): the hooks' closures
@@ -307,6 +331,7 @@ class UnitRunner:
             self._current = []
         if unit not in self._current:
             self._current.append(unit)
+        unit.forward_began = self._tick()
         self._gather(unit, False)
         if self.prefetch:
             nxt = self._neighbour(unit, +1)
@@ -320,23 +345,50 @@ class UnitRunner:
             self.check_order(self.units.index(unit))
         unit.core.unshard(async_op)
 
-    def post_forward(self, unit: Unit, output) -> None:
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def post_forward(self, unit: Unit, output, inputs=()):
+        unit.forward_ended = self._tick()
         if unit.is_root:
             self.order = self._current
+        # A unit that returns one of its inputs as it is (a layer skipped on some ranks):
+        # its backward hook would sit on the same tensor as the hook of the unit that
+        # produced it, and hooks of one tensor fire in registration order, so this rank
+        # would enter the two units' backward (and gather them) in the other order than a
+        # rank that ran the layer. A view gives the output a node of its own.
+        passed = {id(t) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+        replaced = None
+        if passed and any(isinstance(t, torch.Tensor) and id(t) in passed and t.requires_grad
+                          for t in tree_leaves(output)):
+            output = replaced = tree_map(
+                lambda t: t.view_as(t) if isinstance(t, torch.Tensor) and id(t) in passed
+                and t.requires_grad else t, output)
         grads = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if unit.is_root and not grads:
             self.reshard_all()  # no backward follows (eval / no_grad): hold only shards
-            return
+            return replaced
         if unit.reshard_after_forward and not unit.is_root:
             unit.core.reshard()
         if grads:
             runner = weakref.ref(self)
             register_multi_grad_hook(grads, lambda _g, u=unit: runner().pre_backward(u), mode="any")
+        return replaced
 
     def pre_backward(self, unit: Unit) -> None:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
+            self._entered = []
+        # [Note: agreed launch points]: units finished before this one's backward begins.
+        for done in self._entered:
+            if not done.launched and not done.is_root and done.forward_began > unit.forward_ended:
+                done.launched = True
+                if hasattr(done.core, "launch_all"):
+                    done.core.launch_all()
+        if unit not in self._entered:
+            self._entered.append(unit)
         self._gather(unit, False, check=False)
         if self.prefetch:
             prev = self._neighbour(unit, -1)
@@ -345,6 +397,11 @@ class UnitRunner:
 
     def _end_backward(self) -> None:
         self._callback_queued = False
+        self._entered = []
+        for unit in self.units:  # [Note: agreed launch points]: unit order, every rank
+            unit.launched = False
+            if unit.core is not None and hasattr(unit.core, "end_backward"):
+                unit.core.end_backward()
         self.reshard_all()
 
     def reshard_all(self) -> None:

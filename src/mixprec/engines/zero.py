@@ -135,6 +135,10 @@ class ShardedComm(GroupComm):
                                       [dtypes[i] for i in indices], self.group_name, self.options)
             cores.append(core)
         self.cores[id(model)] = [c for c in cores if c is not None]
+        for core in self.cores[id(model)][1:]:
+            # [Note: agreed reductions] in csrc/engines/sharded/core.h: reduce() asks whether
+            # a backward went through the model, counted over all of its cores.
+            core.share_backward_count(self.cores[id(model)][0])
         self.sharded_ids = self.sharded_ids | {id(p) for c in self.cores[id(model)] for p in c.params}
         self._install_units(model, cores)
 

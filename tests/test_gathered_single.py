@@ -32,15 +32,18 @@ def test_read_outside_raises_naming_parameter_unit_and_fix(backend):
     acc, model, _ = _prepared(backend)
     w = model[2].weight
     assert type(w) is ShardedParameter and isinstance(w, nn.Parameter)
-    for op in (lambda: w.norm(), lambda: w + 1, lambda: w.detach(), lambda: w.data, lambda: w[0],
-               lambda: w.sum().item(), lambda: torch.nn.functional.linear(torch.ones(1, 16), w)):
+    for op in (lambda: w.norm(), lambda: w + 1, lambda: w.detach().sum(), lambda: w.data.clone(),
+               lambda: w[0], lambda: w.sum().item(), lambda: torch.nn.functional.linear(torch.ones(1, 16), w),
+               lambda: model.state_dict()["2.weight"].norm()):
         with pytest.raises(UnshardedParameterError) as info:
             op()
         message = str(info.value)
         assert "'2.weight'" in message and "unit '2'" in message, message
         assert "gathered_parameters" in message and "get_state_dict" in message
         assert info.value.params == ("2.weight",) and info.value.units == ("2",)
-    for op in (model.state_dict, lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model)):
+    assert list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]  # keys, no data read
+    for op in (lambda: torch.save(model, io.BytesIO()), lambda: copy.deepcopy(model),
+               lambda: torch.save(model.state_dict(), io.BytesIO())):
         with pytest.raises(UnshardedParameterError, match=r"parameter '0\.weight' of sharding unit '0'"):
             op()
     # metadata reads no data

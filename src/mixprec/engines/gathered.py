@@ -91,6 +91,7 @@ def _metadata_funcs() -> set:
 
 _METADATA = _metadata_funcs()
 _DATA_SET = torch.Tensor.data.__set__
+_ALIAS_OK = {torch.Tensor.detach, torch.Tensor.data.__get__}  # aliases, allowed ungathered
 
 
 class _Guard:
@@ -162,6 +163,14 @@ def _run_guarded(func, args, kwargs):
     for g in guarded:
         guard = g._mixprec_guard
         if not guard.gathered():
+            if func in _ALIAS_OK and len(guarded) == 1:
+                # `p.detach()` / `p.data` read nothing: ``model.state_dict()`` (its keys and
+                # shapes) works; the guarded view raises when its values are used.
+                with _DisableTF():
+                    out = func(*args, **kwargs)
+                out.__class__ = GuardedView
+                out._mixprec_guard = guard
+                return out
             raise guard.error(_op_name(func))
     with _DisableTF():
         out = func(*args, **kwargs)

@@ -27,6 +27,7 @@ from .compat import (
 )
 from .config import ConfigError, MixprecConfig
 from .diagnostics import doctor
+from .engines.gathered import GatheredParameters, summon_full_params
 from .engines.units import set_leaf_modules
 from .errors import (
     CollectiveDesyncError,
@@ -50,6 +51,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "GatheredParameters",
     "GradientAccumulationPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
@@ -72,6 +74,7 @@ __all__ = [
     "ScalerConfig",
     "set_leaf_modules",
     "StepResult",
+    "summon_full_params",
     "UnitOrderError",
     "UnscaledBackwardError",
     "UnshardedParameterError",

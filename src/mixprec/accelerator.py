@@ -32,7 +32,7 @@ from .config.fields import DTYPES
 from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
 from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
-from .engines import Engine, resolve_backend
+from .engines import Engine, gathered, resolve_backend
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
@@ -503,6 +503,27 @@ class Accelerator(AccelerateApi):
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """Full-precision state dict: parameters from the fp32 masters where there are."""
         return self.engine.full_state_dict(model)
+
+    def gathered_parameters(self, params_or_module, modifier_rank: Optional[int] = None,
+                            writeback: bool = False, rank0_only: bool = False):
+        """Context in which the full values of ``params_or_module`` (a prepared module, a
+        parameter, or an iterable of parameters) are present and can be read or changed.
+
+        A collective: every rank of the group enters it. zero3/fsdp gather the units holding
+        them on entry and free them on exit; the other backends hold full parameters
+        already. ``modifier_rank=r``: rank r's values are broadcast on exit and written to
+        the fp32 masters (and shards) of every rank; ``writeback=True``: each rank writes
+        back what it owns from its own values. ``rank0_only``: only rank 0 keeps the values
+        inside. Optimizer state is untouched. Nested scopes gather once (docs/fsdp.md,
+        [Note: the gathering context] in engines/gathered.py).
+
+        Example::
+
+            with accelerator.gathered_parameters(model.head, modifier_rank=0):
+                torch.nn.init.zeros_(model.head.weight)
+        """
+        return gathered.scope_for(self.engine, params_or_module, modifier_rank=modifier_rank,
+                                  writeback=writeback, rank0_only=rank0_only)
 
     # ------------------------------------------------------------ precision
     def autocast(self, enabled: bool = True):

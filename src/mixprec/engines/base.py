@@ -178,9 +178,14 @@ class Engine:
     def full_state_dict(self, model: nn.Module) -> dict:
         """``model.state_dict()`` with every parameter in full precision (fp32 masters; on
         the sharded backends gathered from the shards, a collective)."""
-        state = model.state_dict()
+        # keep_vars: zero3/fsdp parameters have no data here (engines/gathered.py); the
+        # sharded ones are replaced by their gathered masters, the rest detached below.
+        state = model.state_dict(keep_vars=True)
         self.precision.fill_masters(model, state)
         self.comm.fill_full_state(model, state)
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[name] = value.detach()
         return state
 
     # --------------------------------------------------------------- optimizers

@@ -282,6 +282,9 @@ class UnitRunner:
     prefetch: bool = True
     check_order: Optional[UnitOrderCheck] = None  # [Note: unit order check]; None: off
     unit_of_param: dict = field(default_factory=dict)  # id(param) -> unit name (error reports)
+    # id(core) -> open gathering scopes holding it: never freed here ([Note: the gathering
+    # context] in engines/gathered.py). The comm's dict, shared with the scopes.
+    pins: dict = field(default_factory=dict)
     order: list[Unit] = field(default_factory=list)  # forward order of the last forward
     _current: list[Unit] = field(default_factory=list)
     _callback_queued: bool = False
@@ -303,9 +306,8 @@ class UnitRunner:
                 continue
             if hasattr(unit.core, "set_launch_from_hooks"):
                 unit.core.set_launch_from_hooks(False)  # [Note: agreed launch points]
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, u=unit: runner().pre_forward(u)))
-            self._handles.append(module.register_forward_hook(
-                lambda m, a, out, u=unit: runner().post_forward(u, out, a)))
+            self._handles.append(module.register_forward_pre_hook(_UnitHook(runner, unit, False)))
+            self._handles.append(module.register_forward_hook(_UnitHook(runner, unit, True)))
 
     def uninstall(self) -> None:
         """Remove the module hooks and drop the cores (end of training): the hooks' closures
@@ -369,7 +371,7 @@ class UnitRunner:
         if unit.is_root and not grads:
             self.reshard_all()  # no backward follows (eval / no_grad): hold only shards
             return replaced
-        if unit.reshard_after_forward and not unit.is_root:
+        if unit.reshard_after_forward and not unit.is_root and id(unit.core) not in self.pins:
             unit.core.reshard()
         if grads:
             runner = weakref.ref(self)
@@ -406,8 +408,42 @@ class UnitRunner:
 
     def reshard_all(self) -> None:
         for unit in self.units:
-            if unit.core is not None:
+            if unit.core is not None and id(unit.core) not in self.pins:
                 unit.core.reshard()
+
+
+def _inert_hook(*args) -> None:
+    """What a unit hook becomes in a pickle or a deep copy (see :class:`_UnitHook`)."""
+    return None
+
+
+class _UnitHook:
+    """A unit's forward pre-hook (``post=False``) or forward hook. A deep copy or a pickle
+    of the model (an EMA copy, ``torch.save(model)``) gets :func:`_inert_hook` instead: the
+    copy holds full parameters of its own and must not gather the original's units."""
+
+    __slots__ = ("runner", "unit", "post")
+
+    def __init__(self, runner, unit: "Unit", post: bool) -> None:
+        self.runner, self.unit, self.post = runner, unit, post
+
+    def __call__(self, module, args, out=None):
+        runner = self.runner()
+        if runner is None:
+            return None
+        if self.post:
+            return runner.post_forward(self.unit, out, args)
+        return runner.pre_forward(self.unit)
+
+    def __reduce__(self):
+        return _the_inert_hook, ()
+
+    def __deepcopy__(self, memo):
+        return _inert_hook
+
+
+def _the_inert_hook():
+    return _inert_hook
 
 
 # torch's messages for reading a tensor whose storage was released (an op, or a view of it).

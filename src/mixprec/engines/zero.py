@@ -35,6 +35,7 @@ from .units import (
     explain_unsharded_use,
     select_unit_modules,
 )
+from .gathered import guard_params
 from .zero_state import zero_load_state_shards, zero_state_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -113,6 +114,9 @@ class ShardedComm(GroupComm):
         self.sharded_optimizers: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its cores, segments
         self._found_inf_agreed = False  # found_inf already all-reduced this step
         self._folded = False  # fold() ran since the last backward / step
+        # id(core) -> open gathering scopes holding it ([Note: the gathering context] in
+        # engines/gathered.py); zero3's unit runners never free a held core.
+        self.gather_pins: dict[int, int] = {}
 
     # ------------------------------------------------------------------ models
     def prepare_model(self, model: nn.Module, fp32_modules: Sequence[nn.Module]) -> None:
@@ -496,9 +500,17 @@ class Zero3Comm(ShardedComm):
                          for p in core.params}
         check = (UnitOrderCheck(self.group, [u.name or "<root>" for u in units], self.device)
                  if self.check_unit_order else None)
-        runner = UnitRunner(units, prefetch=self.prefetch, check_order=check, unit_of_param=unit_of_param)
+        runner = UnitRunner(units, prefetch=self.prefetch, check_order=check, unit_of_param=unit_of_param,
+                            pins=self.gather_pins)
         runner.install()
         self.runners[id(model)] = runner
+        # [Note: guarded sharded parameters] in engines/gathered.py: outside a gathered scope
+        # an op on a sharded parameter raises naming it, instead of reading freed storage.
+        guard_params(model, units, self.backend, self.world_size)
+
+    def model_ready(self, model: nn.Module, ctx: "ForwardContext") -> None:
+        ctx.plain_params = True  # the forward skips the guard's check (gathered.py)
+        super().model_ready(model, ctx)
 
     def _error_explainer(self, model: nn.Module):
         # Weak both ways: [Note: no reference cycles] in units.py.
@@ -509,17 +521,13 @@ class Zero3Comm(ShardedComm):
     def full_params(self, model: nn.Module):
         """Gather every unit of ``model`` (storage dtype) so its parameters can be read; they
         are freed again on exit. A collective: enter it on every rank. Writes are not kept
-        (the fp32 masters are the truth; use get_state_dict for fp32 values)."""
-        cores = self.model_cores(model)
-        for core in cores:
-            core.unshard(True)
-        try:
-            for core in cores:
-                core.wait_unshard()
+        (``accelerator.gathered_parameters(model, modifier_rank=0)`` keeps them:
+        engines/gathered.py)."""
+        from .gathered import GatheredScope
+
+        self.model_cores(model)  # a model this engine prepared
+        with GatheredScope(self, model):
             yield model
-        finally:
-            for core in cores:
-                core.reshard()
 
     def release(self) -> None:
         for runner in self.runners.values():

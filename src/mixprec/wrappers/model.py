@@ -93,6 +93,10 @@ class ForwardContext:
         self.casts: Any = None
         # The engine's reading of an error raised inside forward: a clearer exception, or None.
         self.explain_error: Optional[Callable[[RuntimeError], Optional[Exception]]] = None
+        # zero3/fsdp: the parameters are guarded outside forward ([Note: guarded sharded
+        # parameters] in engines/gathered.py); forward runs with subclass torch functions
+        # off, so the guard's check costs nothing per op.
+        self.plain_params = False
 
     def __deepcopy__(self, memo) -> "ForwardContext":
         # A deep copy of a prepared model (an EMA copy, say) runs its forward under the
@@ -106,6 +110,12 @@ class ForwardContext:
         return new
 
     def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.plain_params:
+            with torch._C.DisableTorchFunctionSubclass():
+                return self._run(forward, args, kwargs)
+        return self._run(forward, args, kwargs)
+
+    def _run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         if self.pre_forward is not None:
             self.pre_forward()
         if self.fp32_region:

@@ -14,11 +14,29 @@ from mixprec import Accelerator, UnshardedParameterError
 from mixprec.engines.gathered import GuardedView, ShardedParameter
 
 
+_MADE: list = []
+
+
+@pytest.fixture(autouse=True)
+def _end_training():
+    """zero3/fsdp open a one-process group: end every Accelerator a test made, so no group
+    outlives the test (a later test in this process may open its own)."""
+    yield
+    while _MADE:
+        _MADE.pop().end_training()
+
+
+def _accelerator(**kwargs):
+    acc = Accelerator(**kwargs)
+    _MADE.append(acc)
+    return acc
+
+
 def _prepared(backend="zero3", mixed_precision="no"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    acc = Accelerator(mixed_precision=mixed_precision, backend=backend, cpu=True, log_policy=False,
-                      engine_options={"units": ["Linear"]})
+    acc = _accelerator(mixed_precision=mixed_precision, backend=backend, cpu=True, log_policy=False,
+                       engine_options={"units": ["Linear"]})
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = torch.randn(4, 8), torch.randn(4, 4)
     acc.backward(nn.functional.mse_loss(model(x), y))
@@ -115,8 +133,8 @@ def test_bad_arguments_name_the_value():
 def test_single_backend_writeback_reaches_low_precision_masters():
     torch.manual_seed(0)
     model = nn.Linear(8, 4)
-    acc = Accelerator(mixed_precision="bf16", backend="single", cpu=True, log_policy=False,
-                      param_dtype=torch.bfloat16)
+    acc = _accelerator(mixed_precision="bf16", backend="single", cpu=True, log_policy=False,
+                       param_dtype=torch.bfloat16)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert model.weight.dtype == torch.bfloat16
     before = acc.get_state_dict(model)

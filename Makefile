@@ -1,7 +1,7 @@
 # Two entry points, both idempotent and self-contained on a fresh machine:
 #   make demo   -> set up .venv, build mixprec, train the main example
 #   make test   -> same set-up, then the whole test suite
-#   make test-quick -> same set-up, then the single-process tests only (the edit loop)
+#   make test-quick -> same set-up, then the quick single-process tests only (the edit loop)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -29,9 +29,10 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# tests/distributed/conftest.py marks every multi-process test `distributed`.
+# tests/distributed/conftest.py marks every multi-process test `distributed`; `slow` marks the
+# single-process ones that run whole examples, notebooks or benchmarks in subprocesses.
 test-quick: install
-	$(BIN)/python -m pytest -q -m "not distributed"
+	$(BIN)/python -m pytest -q -m "not distributed and not slow"
 
 bench: install
 	$(BIN)/pip install -q ".[bench]"

@@ -1,6 +1,7 @@
 # Two entry points, both idempotent and self-contained on a fresh machine:
 #   make demo   -> set up .venv, build mixprec, train the main example
 #   make test   -> same set-up, then the whole test suite
+#   make test-quick -> same set-up, then the quick single-process tests only (the edit loop)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,7 +9,7 @@ DEPS   := $(VENV)/.deps-stamp
 # Pinned: `pip install torch` alone would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install bench clean gpu-check compat-check
+.PHONY: demo test test-quick install bench clean gpu-check compat-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# tests/distributed/conftest.py marks every multi-process test `distributed`; `slow` marks the
+# single-process ones that run whole examples, notebooks or benchmarks in subprocesses.
+test-quick: install
+	$(BIN)/python -m pytest -q -m "not distributed and not slow"
 
 bench: install
 	$(BIN)/pip install -q ".[bench]"

@@ -12,7 +12,18 @@ from mixprec.parity import demo_batch, demo_model
 BACKENDS = ["single", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 
 
-def test_bf16_parity_over_all_backends_passes():
+@pytest.fixture
+def warm_ranks(monkeypatch):
+    """parity_check's runs on the suite's warm ranks (tests/distributed/harness.py) instead of
+    fresh processes per backend: these tests check its verdicts, not process start-up (the CLI
+    test below still goes through mixprec.distributed.spawn)."""
+    import mixprec.parity as parity_module
+    from harness import run_distributed
+
+    monkeypatch.setattr(parity_module, "run_distributed", run_distributed)
+
+
+def test_bf16_parity_over_all_backends_passes(warm_ranks):
     report = parity_check(demo_model, demo_batch, BACKENDS, steps=10, mixed_precision="bf16")
     assert report.passed, report.format()
     assert [t.backend for t in report.traces] == BACKENDS
@@ -25,7 +36,7 @@ def small_lr_adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def test_catches_bf16_weights_updated_without_fp32_masters():
+def test_catches_bf16_weights_updated_without_fp32_masters(warm_ranks):
     # [Note: parity tolerances] in mixprec/parity.py: with lr 1e-4 most updates are below
     # half a bf16 ulp, so bf16 weights updated in place stop following the fp32 run.
     broken = parity_check(demo_model, demo_batch, ["single"], steps=20, mixed_precision="bf16-pure",

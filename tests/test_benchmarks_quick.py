@@ -182,3 +182,13 @@ def test_quick_run_collective_volume_follows_the_collective_used(quick_run):
         if comm["zero2"]["collective"] == "allreduce":
             assert comm["zero2"]["sent_reduce"] == pytest.approx(2 * comm["zero2_rs"]["sent_reduce"])
         assert comm["zero2_rs"]["sent"] == pytest.approx(comm["zero2_rs"]["theory_sent"], rel=0.01)
+
+
+def test_verdicts_are_taken_on_the_printed_number():
+    """A ratio just short of its bound prints on the missing side of it (CI once printed
+    1.2496 as "1.25x" next to ">= 1.25x ... missed"); a ratio just past it is still met."""
+    from _targets import _shown
+
+    assert _shown(1.2496, 2, "lower") == 1.24 and _shown(1.25, 2, "lower") == 1.25
+    assert _shown(1.0304, 3, "upper") == 1.031 and _shown(1.03, 3, "upper") == 1.03
+    assert _shown(0.99951, 3, "upper") == 1.0 and _shown(0.9990, 3, "upper") == 0.999

@@ -33,6 +33,7 @@ from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
 from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
 from .engines import Engine, gathered, resolve_backend
+from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
@@ -257,6 +258,10 @@ class Accelerator(AccelerateApi):
         comm_cls = resolve_backend(cfg.backend, self.state.world_size)
         if comm_cls.distributed and self.state.group is None:
             self.state = init_single_process_group(self.state, timeout=timeout)
+        tp_size = getattr(getattr(cfg, "tensor_parallel", None), "size", 1)
+        self.mesh = None  # the (dp, tp) rank layout under tensor parallelism (parallel/mesh.py)
+        if tp_size > 1:
+            comm_cls, self.mesh = tensor_parallel.setup(comm_cls, self.state, tp_size)
         if creates_group and self.state.group is not None:
             _CREATED_GROUPS.add(self.state.group.group_name)
         self._ended = False
@@ -270,7 +275,8 @@ class Accelerator(AccelerateApi):
         check_device_supports(self.device, self.policy)
         options = self.config.engine_options()
         if comm_cls.distributed:
-            options["group"] = group if group is not None else self.state.group
+            dp_group = self.mesh.dp_group if self.mesh is not None else self.state.group
+            options["group"] = group if group is not None else dp_group
         try:
             self.engine = Engine(self.policy, self.device, comm_cls, fused_optimizer=cfg.fused_optimizer, **options)
         except BaseException:
@@ -327,6 +333,9 @@ class Accelerator(AccelerateApi):
         self.engine.set_nonfinite_policy(old.nonfinite_grads)
         self.engine.clip_in_step = old.clip_in_step
         self.engine.cache_weight_casts = old.cache_weight_casts
+        if self.mesh is not None:
+            for layout in filter(None, map(tensor_parallel.layout_of, self._models)):
+                self.engine.comm.attach_tp(layout.tp, self.state.group.group_name, layout.split_ids)
         self.gradient_state.step, self.gradient_state.sync_gradients = 0, True
 
     # ------------------------------------------------------------------ info
@@ -417,6 +426,10 @@ class Accelerator(AccelerateApi):
         if is_prepared(model) and model in self._models:
             return model
         checkpointed = act_ckpt.plan(model, self.config.config.activation_checkpointing, self.engine)
+        if self.mesh is not None:
+            model.to(self.device)
+            tensor_parallel.prepare_model(model, self.engine, self.mesh, self.config.config.tensor_parallel,
+                                          self.state.group)
         self.engine.prepare_model(model, self._autocast_gate)
         act_ckpt.apply(checkpointed)  # after the engine: [Note: checkpointing by class swap]
         self._models.append(model)
@@ -476,10 +489,14 @@ class Accelerator(AccelerateApi):
         seed = self.data_seed if plain_shuffle else None
         seeded = plain_shuffle and (self.use_seedable_sampler or seed is not None)
         if self.state.world_size > 1:
+            # Under tensor parallelism the ranks of a TP group read the same batches: the
+            # loader shards over the data-parallel ranks only.
+            mesh = self.mesh
             dataloader = shard_dataloader(
                 dataloader, self.state, split_batches=self.split_batches,
                 even_batches=self.even_batches, seed=seed,
                 use_seedable_sampler=self.use_seedable_sampler,
+                shard=None if mesh is None else (mesh.dp_rank, mesh.dp_size),
             )
         elif seeded:
             # One process: the same seeded order (seed + epoch) several processes would share.
@@ -501,8 +518,54 @@ class Accelerator(AccelerateApi):
 
     @desync.tracked("get_state_dict", desync.plain_signature)
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
-        """Full-precision state dict: parameters from the fp32 masters where there are."""
-        return self.engine.full_state_dict(model)
+        """Full-precision state dict: parameters from the fp32 masters where there are, whole
+        under tensor parallelism (a collective then: every rank calls it)."""
+        return tensor_parallel.full_state_dict(model, self.engine.full_state_dict(model))
+
+    @property
+    def tp_plan(self) -> dict:
+        """Under tensor parallelism, every split parameter of the prepared models -> its
+        partition (style, split dimension, global shape, which plan chose it); parameters
+        not listed are replicated. Empty without tensor parallelism."""
+        out = {}
+        for i, model in enumerate(self._models):
+            layout = tensor_parallel.layout_of(model)
+            if layout is not None:
+                prefix = "" if i == 0 else f"model{i}/"
+                out.update({prefix + k: v for k, v in layout.describe().items()})
+        return out
+
+    @desync.tracked("save_16bit_model")
+    def save_16bit_model(self, model: nn.Module, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's call of the same name: the model's full weights, gathered from every
+        TP, zero3 and fsdp shard, in the policy's compute dtype (bf16/fp16; fp32 under
+        ``mixed_precision="no"``), written by the main process to ``save_dir/save_filename``
+        (safetensors when the name ends in ``.safetensors``, ``torch.save`` otherwise),
+        atomically. Every rank calls it; returns True once the file is written. The file
+        loads with plain ``load_state_dict`` (or ``from_pretrained``), without mixprec.
+
+        Example::
+
+            accelerator.save_16bit_model(model, "export", "model.safetensors")
+        """
+        from .compat.export import write_single
+
+        self._call_check(self.state, "save_16bit_model")
+        state = self.get_state_dict(model)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        error = None
+        if self.is_main_process:
+            try:
+                write_single(state, save_dir, save_filename, self.policy.compute_dtype)
+            except (ValueError, OSError) as e:
+                error = f"{type(e).__name__}: {e}"
+        error = collectives.broadcast_object_list(self.state, [error])[0]
+        if error is not None:
+            raise ValueError(f"save_16bit_model({str(save_dir)!r}, {save_filename!r}) failed: {error}")
+        return True
 
     def gathered_parameters(self, params_or_module, modifier_rank: Optional[int] = None,
                             writeback: bool = False, rank0_only: bool = False):

@@ -86,3 +86,39 @@ def write_model(state: dict, directory, limit: int, safe_serialization: bool, dt
     path = directory / f"{stem}.{ext}.index.json"
     path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def write_single(state: dict, directory, filename: str, dtype: Optional[torch.dtype]) -> Path:
+    """One file ``directory/filename`` holding ``state`` with its floating tensors cast to
+    ``dtype`` (``save_16bit_model``): safetensors when the name ends in ``.safetensors``,
+    ``torch.save`` otherwise. Atomic: written to a temporary name in the same directory,
+    then renamed, so a failure leaves any previous file in place."""
+    import os
+    import tempfile
+
+    if not filename or Path(filename).name != filename:
+        raise ValueError(f"save_filename={filename!r} must be a plain file name (no directory part); "
+                         "put the directory in save_dir")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / filename
+    if filename.endswith(".safetensors"):
+        return write_state_dict(state, path, dtype)
+    empty = [k for k, v in state.items() if v.numel() == 0]
+    if empty:
+        raise ValueError(f"refusing to write empty tensors {empty}: gather the full state first "
+                         "(accelerator.get_state_dict(model))")
+    cast = {k: (v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach()).cpu().contiguous()
+            for k, v in state.items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(cast, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

@@ -328,8 +328,13 @@ def shard_dataloader(
     even_batches: bool = True,
     seed: Optional[int] = None,
     use_seedable_sampler: bool = False,
+    shard: Optional[tuple[int, int]] = None,
 ) -> DataLoader:
     """A new DataLoader over the same dataset that yields this rank's share of the batches.
+
+    ``shard=(index, count)`` shards over ``count`` parts instead of the processes (tensor
+    parallelism: the data-parallel ranks, the ranks of one TP group reading the same
+    batches); shuffling is still agreed by every process of ``state``.
 
     Keeps ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last``, ``generator`` and
     the other settings. For a map-style dataset with a batch size the returned loader's
@@ -357,8 +362,8 @@ def shard_dataloader(
             f"shard_dataloader() needs a torch.utils.data.DataLoader, got {type(dataloader).__name__}; "
             f"wrap your dataset: DataLoader(dataset, batch_size=...)"
         )
-    world, rank = state.world_size, state.rank
-    sync = state if world > 1 else None
+    world, rank = (state.world_size, state.rank) if shard is None else (shard[1], shard[0])
+    sync = state if state.world_size > 1 else None
     kept = {k: getattr(dataloader, k) for k in _KEPT if hasattr(dataloader, k)}
     if dataloader.num_workers > 0:
         kept["prefetch_factor"] = dataloader.prefetch_factor

@@ -1,0 +1,64 @@
+"""Tensor parallelism (AutoTP): what ``Accelerator`` calls (docs/tensor_parallel.md).
+
+- :func:`setup`: at ``Accelerator(...)``: the mesh, the DP group the engine reduces over,
+  and the engine class with [Note: agreement over the mesh];
+- :func:`prepare_model`: at ``prepare()``: the plan applied, the engine told which
+  parameters are split;
+- :func:`full_state_dict`: split tensors made whole (``get_state_dict``, ``save_model``,
+  ``save_16bit_model``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from ..mesh import Mesh, MeshError, build_mesh
+from .apply import InputMismatchError, TPLayout, apply_tensor_parallel
+from .engine import TPCommMixin, tp_comm_class
+from .layers import TPGroup, copy_to, gather_from, reduce_from, scatter_to
+from .plan import LayerPlan, PlanError, resolve_plan
+
+__all__ = ["InputMismatchError", "LayerPlan", "Mesh", "MeshError", "PlanError", "TPGroup", "TPLayout",
+           "copy_to", "full_state_dict", "gather_from", "layout_of", "prepare_model", "reduce_from",
+           "resolve_plan", "scatter_to", "setup"]
+
+# Backends whose sharding TP does not compose with yet (2-D layouts).
+_UNSUPPORTED = ("zero3", "fsdp")
+
+
+def setup(comm_cls: type, state: Any, tp_size: int) -> tuple[type, Mesh]:
+    """The engine class and the mesh for ``tensor_parallel.size = tp_size`` (a collective)."""
+    if comm_cls.name in _UNSUPPORTED:
+        raise NotImplementedError(
+            f"tensor_parallel.size={tp_size} with backend={comm_cls.name!r}: the 2-D layout (units sharded over "
+            "the data-parallel ranks, weights split over the TP ranks) is not implemented yet. Use backend ddp, "
+            "zero1 or zero2 with tensor parallelism, or tensor_parallel.size: 1 with zero3/fsdp")
+    if not comm_cls.distributed:
+        raise MeshError(f"tensor_parallel.size={tp_size} needs several processes and a distributed backend, "
+                        f"got backend={comm_cls.name!r}; use ddp, zero1 or zero2 (or auto)")
+    mesh = build_mesh(state.world_size, state.rank, tp_size, backend=state.backend)
+    return tp_comm_class(comm_cls), mesh
+
+
+def tp_group(mesh: Mesh) -> TPGroup:
+    return TPGroup(mesh.tp_group, mesh.tp_size, mesh.tp_rank)
+
+
+def prepare_model(model: nn.Module, engine: Any, mesh: Mesh, tp_config: Any, world_group: Any) -> TPLayout:
+    """Split ``model`` by its plan and tell the engine's comm which parameters are split."""
+    tp = tp_group(mesh)
+    layout = apply_tensor_parallel(model, tp_config, tp, world_group=world_group)
+    engine.comm.attach_tp(tp, world_group.group_name, layout.split_ids)
+    return layout
+
+
+def layout_of(model: nn.Module) -> Optional[TPLayout]:
+    return model.__dict__.get("_mixprec_tp_layout")
+
+
+def full_state_dict(model: nn.Module, state: dict) -> dict:
+    """``state`` with the split tensors of ``model`` made whole (a TP collective)."""
+    layout = layout_of(model)
+    return state if layout is None else layout.full_state_dict(state)

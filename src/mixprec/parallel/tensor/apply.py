@@ -1,0 +1,225 @@
+"""Applying a tensor-parallel plan to a model at ``prepare()``, and reading it back whole.
+
+Order at ``prepare()`` (parallel/tensor/plan.py chooses, parallel/tensor/layers.py splits):
+every rank of the world checks it built the same model and takes rank 0's values (so the
+slices of one weight on different ranks come from one tensor); the modules the plan splits
+are swapped to their split classes with this rank's slices as parameters; TP ranks take TP
+rank 0's RNG state (dropout on replicated activations draws the same mask on each); then
+the data-parallel engine prepares the split model over the DP group as it would any model.
+
+``TPLayout`` records, for every split parameter, its dimension and sub-parameter sizes:
+``full_state_dict`` turns a state dict of local slices into full tensors (a collective over
+the TP group), which ``get_state_dict``, ``save_model`` and ``save_16bit_model`` use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layers import TPGroup, check_divisible, full_from_local, split_module
+from .plan import SPLIT_STYLES, LayerPlan, PlanError, resolve_plan
+
+# Attributes attention modules keep their head counts in (a split module sees its own).
+_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "num_kv_heads",
+               "n_kv_heads", "num_key_value_heads_per_partition")
+_KV_NAMES = ("k_proj", "v_proj", "key", "value")
+
+
+class InputMismatchError(RuntimeError):
+    """The ranks of one TP group were given different inputs."""
+
+
+@dataclasses.dataclass
+class TPLayout:
+    """Where each split parameter of a prepared model comes from (see the module docstring)."""
+
+    tp: TPGroup
+    plans: dict[str, LayerPlan]
+    split: dict[str, tuple[int, Optional[tuple]]]  # parameter name -> (dim, sub-parameter sizes)
+    full_shapes: dict[str, tuple]
+    split_ids: set = dataclasses.field(default_factory=set)
+    grad_allreduce_ids: set = dataclasses.field(default_factory=set)
+
+    def describe(self) -> dict[str, str]:
+        """Parameter name -> its partition ("replicated" where not split)."""
+        out = {}
+        for pname, (dim, sizes) in sorted(self.split.items()):
+            module = pname.rpartition(".")[0]
+            plan = self.plans.get(module)
+            out[pname] = (f"{plan.describe() if plan else 'split'}: global {list(self.full_shapes[pname])}, "
+                          f"local dim {dim} / {self.tp.size}")
+        return out
+
+    def full_state_dict(self, state: dict) -> dict:
+        """``state`` (model keys -> local tensors) with every split tensor made whole: a
+        collective over the TP group (every rank calls it, in the same key order)."""
+        out = dict(state)
+        for key in sorted(k for k in state if k in self.split):
+            dim, sizes = self.split[key]
+            t = state[key]
+            out[key] = full_from_local(t.detach(), dim, self.tp, sizes)
+        return out
+
+
+def _head_dim(model: nn.Module) -> Optional[int]:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    hd = getattr(config, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def _kv_heads(model: nn.Module) -> Optional[int]:
+    config = getattr(model, "config", None)
+    return getattr(config, "num_key_value_heads", None) if config is not None else None
+
+
+def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, world_group: Any = None) -> TPLayout:
+    """Split ``model`` in place by its plan for this rank of ``tp`` (see the module docstring)."""
+    from ...engines.comm import start_replicas
+
+    if world_group is not None:
+        start_replicas(model, world_group, world_group.group_name)
+    plans = resolve_plan(model, tp_config)
+    head_dim = _head_dim(model)
+    kv = _kv_heads(model)
+    modules = dict(model.named_modules())
+    for name, plan in plans.items():
+        if plan.style not in SPLIT_STYLES:
+            continue
+        if kv and tp.size > kv and name.rpartition(".")[2] in _KV_NAMES and plan.style.startswith("column"):
+            raise NotImplementedError(
+                f"{name}: the model has {kv} key/value head(s), fewer than tensor_parallel.size={tp.size}; "
+                "replicating KV heads across TP ranks (GQA/MQA with few KV heads) is not implemented yet. "
+                f"Use a tensor_parallel.size that divides {kv}")
+        check_divisible(plan, modules[name], tp, head_dim)
+    names_of: dict[int, list[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(pname)
+    done: dict[int, tuple] = {}  # id(original param) -> (new param, dim, sizes)
+    layout = TPLayout(tp, plans, {}, {})
+    for name, plan in plans.items():
+        module = modules[name]
+        if plan.style == "grad_allreduce":
+            for p in module.parameters(recurse=False):
+                layout.grad_allreduce_ids.add(id(p))
+            continue
+        if plan.style not in SPLIT_STYLES:
+            continue
+        originals = {"weight": module.weight, "bias": getattr(module, "bias", None)}
+        shared = done.get(id(originals["weight"]))
+        if shared is not None:
+            new_w, dim, sizes = shared
+            if (dim, sizes) != (plan.split_dim(), plan.shape):
+                raise PlanError(f"{name}: its weight is shared (tied) with a module split on dim {dim}, but its own "
+                                f"plan splits dim {plan.split_dim()}; give both the same partition")
+        full_shapes = {k: tuple(t.shape) for k, t in originals.items() if isinstance(t, torch.Tensor)}
+        for attr, new, dim in split_module(module, plan, tp):
+            old = originals[attr]
+            if id(old) in done:  # tied: every owner holds the one split parameter
+                new = done[id(old)][0]
+                setattr(module, attr, new)
+            done[id(old)] = (new, dim, plan.shape if attr == "weight" or dim == 0 else None)
+            for pname in names_of.get(id(old), []):
+                layout.split[pname] = (dim, plan.shape)
+                layout.full_shapes[pname] = full_shapes[attr]
+            layout.split_ids.add(id(new))
+    # Tied modules elsewhere that still point at an original parameter get the split one.
+    for mod in model.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and id(p) in done and p is not done[id(p)][0]:
+                mod._parameters[attr] = done[id(p)][0]
+    _localise_heads(model, plans, tp)
+    for p in model.parameters():
+        if id(p) in layout.grad_allreduce_ids and p.requires_grad:
+            p.register_hook(_grad_allreduce_hook(tp))
+    _sync_rng(tp)
+    _install_input_check(model, tp)
+    object.__setattr__(model, "_mixprec_tp_layout", layout)
+    return layout
+
+
+def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup) -> None:
+    """A module with a column-split child Linear sees its local head counts."""
+    for name, module in model.named_modules():
+        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        if not any(plans.get(c) is not None and plans[c].style.startswith("column") for c in children):
+            continue
+        for attr in _HEAD_ATTRS:
+            v = module.__dict__.get(attr)
+            if isinstance(v, int) and not isinstance(v, bool) and v % tp.size == 0:
+                setattr(module, attr, v // tp.size)
+
+
+def _grad_allreduce_hook(tp: TPGroup):
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g, group=tp.group)
+        return g
+    return hook
+
+
+def _sync_rng(tp: TPGroup) -> None:
+    """TP ranks take TP rank 0's torch RNG state (CPU, and the current CUDA device's)."""
+    if tp.size == 1:
+        return
+    src = dist.get_global_rank(tp.group, 0)
+    state = torch.get_rng_state()
+    dist.broadcast(state, src=src, group=tp.group)
+    torch.set_rng_state(state)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_state = torch.cuda.get_rng_state().to("cuda")
+        dist.broadcast(cuda_state, src=src, group=tp.group)
+        torch.cuda.set_rng_state(cuda_state.cpu())
+
+
+def _digest(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A cheap fingerprint of the tensor inputs (shapes and a float64 sum of each)."""
+    h = hashlib.sha256()
+    sums = []
+    for v in list(args) + [kwargs[k] for k in sorted(kwargs)]:
+        if isinstance(v, torch.Tensor):
+            h.update(str((tuple(v.shape), str(v.dtype))).encode())
+            sums.append(v.detach().double().sum().reshape(1).cpu() if v.numel() else torch.zeros(1, dtype=torch.float64))
+    head = int.from_bytes(h.digest()[:6], "little")
+    total = torch.cat(sums).sum() if sums else torch.zeros((), dtype=torch.float64)
+    return torch.stack([torch.tensor(float(head), dtype=torch.float64), total.reshape(())])
+
+
+def _install_input_check(model: nn.Module, tp: TPGroup) -> None:
+    """At the first forward, the TP ranks compare their inputs' fingerprints (one all-gather
+    of two numbers): different batches on ranks that split one model are an error naming
+    them (DeepSpeed's first-batch check), not silently wrong gradients."""
+    if tp.size == 1:
+        return
+    handle = None
+
+    def check(module, args, kwargs):
+        handle.remove()
+        mine = _digest(args, kwargs)
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        parts = [torch.empty(2, dtype=torch.float64, device=device) for _ in range(tp.size)]
+        dist.all_gather(parts, mine.to(device), group=tp.group)
+        rows = [p.cpu() for p in parts]
+        if any(not torch.equal(rows[0], r) for r in rows[1:]):
+            ranks = [dist.get_global_rank(tp.group, i) for i in range(tp.size)]
+            raise InputMismatchError(
+                f"the ranks {ranks} of one tensor-parallel group got different inputs at the first forward "
+                f"(fingerprints {[tuple(r.tolist()) for r in rows]}). TP ranks split one model and must see the "
+                "same batch: prepare the DataLoader with accelerator.prepare() (it shards over the data-parallel "
+                "ranks only), or give every rank of a TP group the same data")
+        return None
+
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)

@@ -1,0 +1,299 @@
+"""Split layers: the collectives of tensor parallelism and the modules that use them.
+
+[Note: TP collectives and their autograd rules]
+Megatron's four conjugate operations on the TP group, each an autograd Function:
+
+==================  =============================  ==============================
+operation           forward                        backward
+==================  =============================  ==============================
+``copy_to``         identity                       all-reduce (sum) of the gradient
+``reduce_from``     all-reduce (sum)               identity
+``gather_from``     all-gather on the last dim     this rank's slice of the gradient
+``scatter_to``      this rank's slice (last dim)   all-gather of the gradient
+==================  =============================  ==============================
+
+A column-split Linear reads ``copy_to(x)``: every rank's ``x`` is the same, and the gradient
+of ``x`` is the sum of every rank's part (each rank only sees its own output features). A
+row-split Linear sums its partial products with ``reduce_from``; the gradient of the sum is
+the same on every rank. The bias of a row-split Linear is added once, after the sum, on
+every rank, so its gradient is the same everywhere. Replicated parameters (norms, biases of
+row layers, unsplit embeddings) therefore get the same gradient on every TP rank, with no
+TP collective of their own; only the data-parallel engine reduces them, over the DP group.
+
+The collectives go through ``torch.distributed`` on the TP subgroup (the same c10d process
+groups the C++ engines resolve by name); sums run in the activation's dtype, as Megatron's
+and DeepSpeed's do.
+
+The modules keep their class's identity: a split ``nn.Linear`` is swapped to a subclass of its
+own class (``isinstance(m, nn.Linear)`` holds, ``state_dict`` keys are unchanged) whose
+``forward`` adds the collectives, and its ``weight``/``bias`` are replaced by this rank's
+slice (docs/tensor_parallel.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .plan import LayerPlan, PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class TPGroup:
+    """The TP subgroup this rank belongs to: ``group`` (None when ``size`` is 1)."""
+
+    group: Any
+    size: int
+    rank: int
+
+
+def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=tp.group)
+    return x
+
+
+def _all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    if tp.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x, group=tp.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _slice_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    if tp.size == 1:
+        return x
+    n = x.shape[-1]
+    if n % tp.size:
+        raise PlanError(f"a split input's last dimension {n} is not divisible by the TP size {tp.size}")
+    k = n // tp.size
+    return x.narrow(-1, tp.rank * k, k).contiguous()
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g.clone(), ctx.tp), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        return _all_reduce(x.clone(), tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_gather_last(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _slice_last(g, ctx.tp), None
+
+
+class _ScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _slice_last(x, tp)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_last(g, ctx.tp), None
+
+
+def copy_to(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Identity forward, gradient summed over the TP group."""
+    return _CopyTo.apply(x, tp) if tp.size > 1 else x
+
+
+def reduce_from(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sum over the TP group forward, identity backward."""
+    return _ReduceFrom.apply(x, tp) if tp.size > 1 else x
+
+
+def gather_from(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """All-gather on the last dimension forward, this rank's slice backward."""
+    return _GatherFrom.apply(x, tp) if tp.size > 1 else x
+
+
+def scatter_to(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice of the last dimension forward, all-gather backward."""
+    return _ScatterTo.apply(x, tp) if tp.size > 1 else x
+
+
+# ------------------------------------------------------------------------ modules
+class TPModule:
+    """Mixin placed in front of a split module's class. ``_mixprec_tp``: its TP group and
+    plan; ``_mixprec_tp_original``: the class to put back (pickles, ``restore``)."""
+
+    _mixprec_tp_original: type
+    _mixprec_tp: "TPState"
+
+    def __reduce_ex__(self, protocol):
+        import copyreg
+
+        state = self.__getstate__()
+        state.pop("_mixprec_tp", None)
+        return copyreg._reconstructor, (type(self)._mixprec_tp_original, object, None), state
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        st = self._mixprec_tp
+        return f"{base}, tp={st.plan.style} {st.tp.rank}/{st.tp.size}"
+
+
+@dataclasses.dataclass
+class TPState:
+    tp: TPGroup
+    plan: LayerPlan
+    vocab_start: int = 0  # vocab: the first id this rank holds
+    out_narrow: Optional[tuple] = None  # kv-replicated: (start, length) of the output kept
+
+
+class _ColumnLinear(TPModule):
+    def forward(self, x):
+        st = self._mixprec_tp
+        y = F.linear(copy_to(x, st.tp), self.weight, self.bias)
+        if st.plan.style == "column_gather":
+            y = gather_from(y, st.tp)
+        return y
+
+
+class _RowLinear(TPModule):
+    def forward(self, x):
+        st = self._mixprec_tp
+        if st.plan.style == "row_split_input":
+            x = scatter_to(x, st.tp)
+        y = reduce_from(F.linear(x, self.weight), st.tp)
+        return y if self.bias is None else y + self.bias
+
+
+class _VocabEmbedding(TPModule):
+    def forward(self, ids):
+        st = self._mixprec_tp
+        n = self.weight.shape[0]
+        local = ids - st.vocab_start
+        outside = (local < 0) | (local >= n)
+        local = local.masked_fill(outside, 0)
+        pad = self.padding_idx - st.vocab_start if self.padding_idx is not None else None
+        pad = pad if pad is not None and 0 <= pad < n else None
+        out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq,
+                          self.sparse)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from(out, st.tp)
+
+
+class _ColEmbedding(TPModule):
+    def forward(self, ids):
+        st = self._mixprec_tp
+        out = F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                          self.scale_grad_by_freq, self.sparse)
+        return gather_from(out, st.tp)
+
+
+_MIXINS = {"column": _ColumnLinear, "column_gather": _ColumnLinear, "row": _RowLinear,
+           "row_split_input": _RowLinear, "vocab": _VocabEmbedding, "embedding_col": _ColEmbedding}
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _tp_class(cls: type, mixin: type) -> type:
+    key = (cls, mixin)
+    if key not in _CLASSES:
+        new = type(f"{mixin.__name__.lstrip('_')}{cls.__name__}", (mixin, cls), {"_mixprec_tp_original": cls})
+        new.__module__ = __name__
+        _CLASSES[key] = new
+    return _CLASSES[key]
+
+
+def local_slice(full: torch.Tensor, dim: int, tp: TPGroup, sizes: Optional[tuple]) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim``: its share of each sub-parameter
+    (``sizes``; one when None), concatenated."""
+    sizes = sizes or (full.shape[dim],)
+    parts, offset = [], 0
+    for s in sizes:
+        k = s // tp.size
+        parts.append(full.narrow(dim, offset + tp.rank * k, k))
+        offset += s
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def full_from_local(local: torch.Tensor, dim: int, tp: TPGroup, sizes: Optional[tuple]) -> torch.Tensor:
+    """The inverse of :func:`local_slice`, a collective over the TP group: every rank's
+    slices gathered and put back in place (every rank gets the full tensor)."""
+    if tp.size == 1:
+        return local
+    local = local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(parts, local, group=tp.group)
+    sizes = sizes or (local.shape[dim] * tp.size,)
+    pieces = []
+    offset = 0
+    for s in sizes:
+        k = s // tp.size
+        pieces.extend(p.narrow(dim, offset, k) for p in parts)
+        offset += k
+    return torch.cat(pieces, dim=dim)
+
+
+def check_divisible(plan: LayerPlan, module: nn.Module, tp: TPGroup, head_dim: Optional[int]) -> None:
+    dim = plan.split_dim()
+    size = module.weight.shape[dim]
+    for s in plan.shape or (size,):
+        if s % tp.size:
+            raise PlanError(f"{plan.name}: {plan.style} split of dimension {dim} (size {s}) over tensor_parallel.size="
+                            f"{tp.size} does not divide; use a TP size that divides {s}, or give this module "
+                            "partition_type: skip")
+        if head_dim and plan.style in ("column", "column_gather") and s % head_dim == 0 and (s // head_dim) % tp.size:
+            raise PlanError(f"{plan.name}: {s // head_dim} heads of {head_dim} do not divide over "
+                            f"tensor_parallel.size={tp.size} (shards follow head boundaries); use a TP size "
+                            f"that divides {s // head_dim}")
+
+
+def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[str, nn.Parameter, int]]:
+    """Replace ``module``'s weight (and bias where split) by this rank's slice and swap its
+    class; returns ``(attr, new parameter, split dim)`` for every parameter it split."""
+    mixin = _MIXINS[plan.style]
+    dim = plan.split_dim()
+    out = []
+    with torch.no_grad():
+        w = module.weight
+        new_w = nn.Parameter(local_slice(w.detach(), dim, tp, plan.shape).clone(), requires_grad=w.requires_grad)
+        module.weight = new_w
+        out.append(("weight", new_w, dim))
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and plan.style in ("column", "column_gather") and dim == 0:
+            new_b = nn.Parameter(local_slice(bias.detach(), 0, tp, plan.shape).clone(), requires_grad=bias.requires_grad)
+            module.bias = new_b
+            out.append(("bias", new_b, 0))
+    state = TPState(tp, plan)
+    if plan.style == "vocab":
+        state.vocab_start = tp.rank * module.weight.shape[0]
+        module.num_embeddings = module.weight.shape[0]
+    elif plan.style == "embedding_col":
+        module.embedding_dim = module.weight.shape[1]
+    elif isinstance(module, nn.Linear):
+        module.out_features, module.in_features = module.weight.shape
+    object.__setattr__(module, "_mixprec_tp", state)
+    module.__class__ = _tp_class(type(module), mixin)
+    return out

@@ -1,0 +1,70 @@
+"""Model-family presets of tensor-parallel partitions (``tensor_parallel.preset_model``).
+
+Each preset is an ordered list of ``(regex, partition_type, shape)``: the regex is searched in
+a module's path (``model.layers.0.self_attn.q_proj``), ``partition_type`` is ``column``
+(the weight's output dimension split), ``row`` (its input dimension split; output summed
+over the TP group) or ``skip`` (replicated). ``shape`` describes a fused weight's
+sub-parameters along the split dimension (DeepSpeed's ``partition_config.layer_specs``
+notation): a list of sizes, where the names ``q`` / ``kv`` stand for
+``num_attention_heads * head_dim`` / ``num_key_value_heads * head_dim`` of the model's
+config, or an int ``k``: ``k`` equal sub-parameters. Each sub-parameter is split on its own
+and the local pieces are concatenated, so a rank's fused QKV holds its own heads of each of
+Q, K and V (docs/tensor_parallel.md).
+
+A model whose ``config.model_type`` is a preset's name gets it when it has no Hugging Face
+plan (the plan resolution order is in parallel/tensor/plan.py).
+"""
+
+from __future__ import annotations
+
+_ATTN_QKV = (r"\.(self_attn|attention)\.(q_proj|k_proj|v_proj)$", "column", None)
+_ATTN_O = (r"\.(self_attn|attention)\.o_proj$", "row", None)
+_MLP_IN = (r"\.mlp\.(gate_proj|up_proj)$", "column", None)
+_MLP_OUT = (r"\.mlp\.down_proj$", "row", None)
+
+PRESETS: dict[str, list[tuple[str, str, object]]] = {
+    "llama": [_ATTN_QKV, _ATTN_O, _MLP_IN, _MLP_OUT],
+    "qwen2": [_ATTN_QKV, _ATTN_O, _MLP_IN, _MLP_OUT],
+    "phi3": [
+        (r"\.self_attn\.qkv_proj$", "column", ("q", "kv", "kv")),
+        (r"\.self_attn\.o_proj$", "row", None),
+        (r"\.mlp\.gate_up_proj$", "column", 2),
+        (r"\.mlp\.down_proj$", "row", None),
+    ],
+    "mixtral": [
+        _ATTN_QKV, _ATTN_O,
+        (r"\.block_sparse_moe\.gate$", "skip", None),  # the router sees every expert
+        (r"\.experts\.\d+\.(w1|w3)$", "column", None),
+        (r"\.experts\.\d+\.w2$", "row", None),
+    ],
+    "deepseek_v2": [
+        (r"\.self_attn\.(q_proj|q_b_proj|kv_b_proj)$", "column", None),
+        (r"\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)$", "skip", None),  # MLA's low-rank inputs
+        (r"\.self_attn\.o_proj$", "row", None),
+        (r"\.mlp\.gate$", "skip", None),
+        (r"\.(mlp|experts\.\d+|shared_experts)\.(gate_proj|up_proj)$", "column", None),
+        (r"\.(mlp|experts\.\d+|shared_experts)\.down_proj$", "row", None),
+    ],
+    # BLOOM's fused QKV is laid out per head ([heads, 3, head_dim]): a plain split of its
+    # output dimension on head boundaries keeps each head's q, k and v together.
+    "bloom": [
+        (r"\.self_attention\.query_key_value$", "column", None),
+        (r"\.self_attention\.dense$", "row", None),
+        (r"\.mlp\.dense_h_to_4h$", "column", None),
+        (r"\.mlp\.dense_4h_to_h$", "row", None),
+    ],
+    "chatglm": [
+        (r"\.self_attention\.query_key_value$", "column", ("q", "kv", "kv")),
+        (r"\.self_attention\.dense$", "row", None),
+        (r"\.mlp\.dense_h_to_4h$", "column", 2),
+        (r"\.mlp\.dense_4h_to_h$", "row", None),
+    ],
+}
+
+# Name heuristics, the last resort for a Linear no plan names (and only when
+# use_default_specs): the usual names of attention and MLP projections.
+HEURISTICS: list[tuple[str, str, object]] = [
+    (r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|gate_proj|up_proj|fc1|c_fc|w1|w3|fc_in|dense_h_to_4h)$",
+     "column", None),
+    (r"(^|\.)(o_proj|out_proj|down_proj|fc2|w2|fc_out|dense_4h_to_h)$", "row", None),
+]

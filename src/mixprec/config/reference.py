@@ -4,7 +4,7 @@ checks the committed file is current: regenerate it with
 
 from __future__ import annotations
 
-from .fields import block_fields, describe_type, field_docs, format_value, is_block, leaves
+from .fields import FieldInfo, block_fields, describe_type, field_docs, format_value, is_block, leaves, record_type
 from .resolve import env_name
 from .schema import MixprecConfig
 
@@ -84,13 +84,30 @@ accelerator = Accelerator(config="mixprec.yaml")      # or: mixprec launch --con
 def _block_section(title: str, cls: type, prefix: str) -> list[str]:
     doc = " ".join((cls.__doc__ or "").split())
     lines = [f"### {title}", "", doc, "", "| key | type | default | env | description |", "|---|---|---|---|---|"]
-    for path, info in leaves(cls, prefix).items():
+    infos = leaves(cls, prefix)
+    for path, info in infos.items():
         kind = describe_type(info.type)
         if info.rule:
             kind = info.rule
         lines.append(
             f"| `{path}` | {kind} | `{format_value(info.default)}` | `{env_name(path)}` | {info.doc} |"
         )
+    lines.append("")
+    for info in infos.values():
+        lines += _record_table(info)
+    return lines
+
+
+def _record_table(info: FieldInfo) -> list[str]:
+    """The keys of each entry of a list-of-records leaf (e.g. ``layer_specs``), if it is one."""
+    record = record_type(info.type)
+    if record is None:
+        return []
+    doc = " ".join((record.__doc__ or "").split())
+    lines = [f"Each entry of `{info.path}`: {doc}", "", "| key | type | default | description |", "|---|---|---|---|"]
+    for name, entry in leaves(record).items():
+        kind = entry.rule or describe_type(entry.type)
+        lines.append(f"| `{name}` | {kind} | `{format_value(entry.default)}` | {entry.doc} |")
     lines.append("")
     return lines
 

@@ -73,7 +73,10 @@ accelerator = Accelerator(config="mixprec.yaml")      # or: mixprec launch --con
 * `mixprec config import ds_config.json -o mixprec.yaml` — convert a DeepSpeed JSON or an
   Accelerate YAML config, printing what each key became; keys with no meaning here (e.g.
   `offload_optimizer` to nvme) are refused one by one, and nothing is written unless
-  `--drop-refused` is given.
+  `--drop-refused` is given. DeepSpeed's AutoTP section (`tensor_parallel`: `autotp_size`,
+  `preset_model`, `partition_config`) becomes the `tensor_parallel` block; its layer-spec
+  patterns are rewritten from DeepSpeed's `re.match` on `<module>.weight` to mixprec's
+  `re.search` on `<module>` (e.g. `.*\\.o_proj\\.weight$` -> `.*\\.o_proj$`), each rewrite shown.
 * `mixprec config reference -o docs/configuration.md` — this file.
 * `mixprec test` — a 2-process self-check (Gloo, ddp and zero2 in bf16).
 

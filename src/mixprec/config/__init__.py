@@ -11,7 +11,16 @@ Example::
 
 from .fields import ConfigError
 from .resolve import CONFIG_FILE_ENV, ResolvedConfig, Setting, config_to_dict, env_name, load_file, resolve
-from .schema import DDPOptions, FSDPOptions, MixprecConfig, Zero3Options, ZeroOptions
+from .schema import (
+    DDPOptions,
+    FSDPOptions,
+    MixprecConfig,
+    TensorParallelOptions,
+    TPLayerSpec,
+    TPPartitionConfig,
+    Zero3Options,
+    ZeroOptions,
+)
 
 __all__ = [
     "CONFIG_FILE_ENV",
@@ -21,6 +30,9 @@ __all__ = [
     "MixprecConfig",
     "ResolvedConfig",
     "Setting",
+    "TPLayerSpec",
+    "TPPartitionConfig",
+    "TensorParallelOptions",
     "Zero3Options",
     "ZeroOptions",
     "config_to_dict",

@@ -1,5 +1,14 @@
 """Reading the schema: flat key paths, field documentation, and checking/normalising a value
-against a field's type (from YAML/JSON/Python values, or from text: env vars, CLI flags)."""
+against a field's type (from YAML/JSON/Python values, or from text: env vars, CLI flags).
+
+[Note: lists of records]
+A leaf typed ``tuple[SomeDataclass, ...]`` (e.g. ``tensor_parallel.partition_config.layer_specs``)
+holds a list of *records*: each entry is a mapping (YAML/JSON/dict) or an instance of the
+dataclass, checked field by field like a block (unknown keys with a suggestion, required
+fields, types, ``checked`` rules) and built into the dataclass; errors name the entry as
+``path[index].key``. The list itself is one leaf (one source, one env var: YAML/JSON text).
+A record's fields are leaves; a field without a default is required.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +21,7 @@ import math
 import textwrap
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 
@@ -22,6 +31,7 @@ class ConfigError(ValueError):
 
 
 _MISSING = dataclasses.MISSING
+REQUIRED = dataclasses.MISSING  # the "default" of a record field that must be given
 _DTYPE_ALIASES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
@@ -45,6 +55,7 @@ class FieldInfo:
     rule: str = ""  # what a valid value is, when more than its type says, e.g. "an int >= 1"
     check: Any = None  # predicate implementing ``rule``
     label: str = "use one of "  # how an error introduces the valid choices
+    why: Any = None  # value -> what exactly breaks ``rule`` (appended to the error), optional
 
 
 def is_block(tp: Any) -> bool:
@@ -71,11 +82,17 @@ def field_docs(cls: type) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def block_fields(cls: type) -> dict[str, tuple[Any, Any, dataclasses.Field]]:
-    """``{name: (type, default, Field)}`` of dataclass ``cls`` in declaration order."""
+    """``{name: (type, default, Field)}`` of dataclass ``cls`` in declaration order; the default
+    of a field that has none (a required record field) is :data:`REQUIRED`."""
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not _MISSING else f.default_factory()  # type: ignore[misc]
+        if f.default is not _MISSING:
+            default = f.default
+        elif f.default_factory is not _MISSING:  # type: ignore[misc]
+            default = f.default_factory()  # type: ignore[misc]
+        else:
+            default = REQUIRED
         out[f.name] = (hints[f.name], default, f)
     return out
 
@@ -91,8 +108,19 @@ def leaves(cls: type, prefix: str = "") -> dict[str, FieldInfo]:
             out.update(leaves(tp, path + "."))
         else:
             out[path] = FieldInfo(path, tp, default, docs.get(name, ""), f.metadata.get("rule", ""),
-                                  f.metadata.get("check"), f.metadata.get("label", "use one of "))
+                                  f.metadata.get("check"), f.metadata.get("label", "use one of "),
+                                  f.metadata.get("why"))
     return out
+
+
+def record_type(tp: Any) -> Optional[type]:
+    """The dataclass of a list-of-records leaf (``tuple[Spec, ...]``), else None
+    (see [Note: lists of records])."""
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        if args and is_block(args[0]):
+            return args[0]
+    return None
 
 
 def suggest(name: str, valid: typing.Iterable[str]) -> str:
@@ -111,6 +139,8 @@ def describe_type(tp: Any) -> str:
         text = " or ".join(parts)
         return f"null or {text}" if type(None) in args else text
     if origin is tuple:
+        if is_block(args[0]):
+            return f"a list of mappings with keys {', '.join(block_fields(args[0]))}"
         return "a list of strings" if args[0] is str else f"a list of {describe_type(args[0])}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
 
@@ -120,6 +150,11 @@ def coerce(info: FieldInfo, value: Any, source: str, *, text: bool = False) -> A
     names, lists to tuples, ints to floats where a float is expected). ``text``: the value
     is a string from an environment variable or a command-line flag, parsed by type.
     Raises :class:`ConfigError` naming the key, the value, its source and what is valid."""
+    record = record_type(info.type)
+    if record is not None:
+        out = _coerce_records(info, record, value, source, text)
+        _check(info, value, out, source)
+        return out
     try:
         out = _coerce(info.type, value, text)
     except _Mismatch:
@@ -132,9 +167,77 @@ def coerce(info: FieldInfo, value: Any, source: str, *, text: bool = False) -> A
         raise ConfigError(
             f"{info.path}={value!r} must be {info.rule or describe_type(info.type)} (from {source})"
         ) from None
-    if info.check is not None and not info.check(out):
-        raise ConfigError(f"{info.path}={value!r} must be {info.rule} (from {source})")
+    _check(info, value, out, source)
     return out
+
+
+def _check(info: FieldInfo, value: Any, out: Any, source: str) -> None:
+    """``info``'s rule on the normalised ``out``: a ConfigError saying what is valid (and,
+    where the field says, exactly what breaks it)."""
+    if info.check is not None and not info.check(out):
+        detail = f": {info.why(out)}" if info.why is not None else ""
+        raise ConfigError(f"{info.path}={value!r} must be {info.rule}{detail} (from {source})")
+
+
+def _coerce_records(info: FieldInfo, record: type, value: Any, source: str, text: bool) -> tuple:
+    """A list of mappings (or ``record`` instances) -> a tuple of ``record`` (see
+    [Note: lists of records]). Text (an env var, a flag) is read as YAML/JSON."""
+    if text and isinstance(value, str):
+        import yaml
+
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"{info.path}={value!r} must be a YAML/JSON list of mappings, e.g. "
+                f"'[{{{', '.join(f'{k}: ...' for k in _required(record))}}}]' (from {source}): "
+                f"{' '.join(str(e).split())}"
+            ) from None
+        value = [] if value is None else value
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{info.path}={value!r} must be {describe_type(info.type)} (from {source})")
+    return tuple(coerce_record(record, item, f"{info.path}[{i}]", source) for i, item in enumerate(value))
+
+
+def _required(record: type) -> list[str]:
+    return [name for name, (_tp, default, _f) in block_fields(record).items() if default is REQUIRED]
+
+
+def coerce_record(record: type, item: Any, path: str, source: str) -> Any:
+    """One entry of a list of records, built into ``record``: ``item`` is a mapping or a
+    ``record`` instance (re-checked). ``path`` names the entry in errors, e.g.
+    ``"tensor_parallel.partition_config.layer_specs[1]"``."""
+    fields = block_fields(record)
+    if isinstance(item, record):
+        given = {name: getattr(item, name) for name in fields}
+    elif isinstance(item, Mapping):
+        given = dict(item)
+    else:
+        raise ConfigError(
+            f"{path}={item!r} must be a mapping with keys {', '.join(fields)} (from {source}); "
+            f"required: {', '.join(_required(record))}"
+        )
+    for key in given:
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {key!r} in {path} (from {source}).{suggest(str(key), fields)} "
+                f"Valid keys of an entry: {', '.join(fields)}"
+            )
+    infos = leaves(record, path + ".")
+    kwargs = {}
+    for name, (tp, default, _f) in fields.items():
+        if is_block(tp):  # invariant: records hold leaves only
+            raise TypeError(f"record field {record.__name__}.{name} is a block; records hold leaves only")
+        info = infos[f"{path}.{name}"]
+        if name in given:
+            kwargs[name] = coerce(info, given[name], source)
+        elif default is REQUIRED:
+            raise ConfigError(
+                f"{path} has no {name!r} (from {source}): add {name}: "
+                f"<{info.rule or describe_type(info.type)}> (required keys of an entry: "
+                f"{', '.join(_required(record))})"
+            )
+    return record(**kwargs)
 
 
 def _choices(tp: Any):
@@ -215,10 +318,18 @@ def _coerce(tp: Any, value: Any, text: bool) -> Any:
 
 
 def to_plain(value: Any) -> Any:
-    """A normalised value as YAML/JSON writes it (tuples as lists, inf as a float)."""
+    """A normalised value as YAML/JSON writes it (tuples as lists, inf as a float, a record
+    as a mapping of its required fields and those not at their default)."""
     if isinstance(value, tuple):
         return [to_plain(v) for v in value]
+    if is_block(type(value)):
+        return {k: to_plain(v) for k, v in _record_items(value)}
     return value
+
+
+def _record_items(record: Any) -> list[tuple[str, Any]]:
+    return [(name, getattr(record, name)) for name, (_tp, default, _f) in block_fields(type(record)).items()
+            if default is REQUIRED or getattr(record, name) != default]
 
 
 def format_value(value: Any) -> str:
@@ -229,6 +340,10 @@ def format_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float) and math.isinf(value):
         return ".inf" if value > 0 else "-.inf"
+    if value is REQUIRED:
+        return "required"
     if isinstance(value, tuple):
         return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if is_block(type(value)):  # a record: a YAML flow mapping
+        return "{" + ", ".join(f"{k}: {format_value(v)}" for k, v in _record_items(value)) + "}"
     return str(value)

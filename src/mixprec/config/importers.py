@@ -11,12 +11,14 @@ nothing unless told to drop refused keys.
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .fields import ConfigError, format_value
+from .fields import ConfigError, coerce_record, format_value
 from .resolve import flatten, load_file
+from .schema import TPLayerSpec, TPPresetModel
 
 _DS_BACKENDS = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 # DeepSpeed's fp16 dynamic loss-scaler defaults (runtime/fp16 config).
@@ -99,7 +101,8 @@ def import_config(path: str) -> ImportReport:
     if "distributed_type" in data or "compute_environment" in data:
         report = ImportReport("Accelerate")
         _accelerate(data, report)
-    elif data.keys() & {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16"}:
+    elif data.keys() & {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16",
+                        "tensor_parallel"}:
         report = ImportReport("DeepSpeed")
         _deepspeed(data, report)
     else:
@@ -200,6 +203,8 @@ def _deepspeed(data: dict, r: ImportReport) -> None:
                 r.refuse(key, value, "gradient pre-scaling is not supported (fp32 averaging); remove the key")
         elif key == "activation_checkpointing":
             _ds_activation_checkpointing(value, r)
+        elif key == "tensor_parallel":
+            _ds_tensor_parallel(value, r)
         elif key in _DS_IGNORED:
             r.ignore(key, value, _DS_IGNORED[key])
         elif key in _DS_REFUSED:
@@ -311,6 +316,186 @@ def _ds_activation_checkpointing(value: Any, r: ImportReport) -> None:
             r.ignore(src, v, "DeepSpeed's checkpoint timers; measure with benchmarks/bench_checkpointing.py")
         else:
             r.refuse(src, v, "unknown activation_checkpointing key, not converted; remove it")
+
+
+_TP = "tensor_parallel"
+_TP_SPECS = "tensor_parallel.partition_config.layer_specs"
+# Keys of DeepSpeed's tensor_parallel section (runtime/tensor_parallel/config.py, TPTrainingConfig
+# and its `tp` / `tensor_parallel` sub-block TPConfig) that configure nothing in mixprec.
+_DS_TP_IGNORED = {
+    "tp_overlap_comm": "DeepSpeed's switch to overlap its tensor-parallel all-reduce with compute; "
+                       "not a mixprec setting",
+    "keep_module_on_host": "DeepSpeed keeps loaded checkpoint tensors in host memory; mixprec splits "
+                           "the weights of the model given to prepare()",
+    "injection_policy_tuple": "DeepSpeed's inference injection policy; give the rules as "
+                              "tensor_parallel.partition_config.layer_specs",
+    "dtype": "the dtypes come from mixed_precision (and param_dtype)",
+    "tp_grain_size": "DeepSpeed's split granularity for uneven shards (not active in its training); "
+                     "not a mixprec setting",
+    "mpu": "a model-parallel unit object; mixprec builds its groups from tensor_parallel.size",
+    "tp_group": "a process group object; mixprec builds its groups from tensor_parallel.size",
+}
+# DeepSpeed's AutoTPConfig (module_inject/autotp_config.py) keys of partition_config besides
+# use_default_specs / layer_specs: (DeepSpeed's default, why a non-default value is refused).
+_DS_PARTITION_DEFAULTS = {
+    "strict_mode": (False, "failing on Linear layers that no spec matches is not supported; set it false"),
+    "embedding_partition_dim": (1, "the embedding split is not configurable here; remove it"),
+    "lm_head_patterns": (["lm_head", "embed_out"], "not converted: give those layers a layer_specs entry"),
+}
+# DeepSpeed's TPLayerSpec flags mixprec has no counterpart for: off (false) is ignored.
+_DS_SPEC_FLAGS = {
+    "gather_output": "gathering a column-parallel output on every rank is not supported",
+    "grad_allreduce": "summing a skipped parameter's gradient over the tensor-parallel group is not supported",
+}
+
+
+def _ds_tensor_parallel(value: Any, r: ImportReport) -> None:
+    """DeepSpeed's AutoTP ``tensor_parallel`` section -> the ``tensor_parallel`` block."""
+    if not isinstance(value, dict):
+        r.refuse(_TP, value, "must be a mapping (autotp_size, preset_model, partition_config, ...)")
+        return
+    for sub, v in value.items():
+        src = f"{_TP}.{sub}"
+        if sub in ("autotp_size", "tp_size"):
+            _ds_tp_size(src, v, r)
+        elif sub in ("tp", "tensor_parallel"):  # TPConfig, DeepSpeed's older / inference spelling
+            if not isinstance(v, dict):
+                r.refuse(src, v, "must be a mapping with tp_size")
+                continue
+            for key, x in v.items():
+                if key == "tp_size":
+                    _ds_tp_size(f"{src}.{key}", x, r)
+                elif key in _DS_TP_IGNORED:
+                    r.ignore(f"{src}.{key}", x, _DS_TP_IGNORED[key])
+                else:
+                    r.refuse(f"{src}.{key}", x, f"unknown {sub} key, not converted; remove it")
+        elif sub == "preset_model":
+            presets = typing.get_args(TPPresetModel)
+            if v is None:
+                r.ignore(src, v, "no preset")
+            elif isinstance(v, str) and v.lower() in presets:
+                r.set(src, v, f"{_TP}.preset_model", v.lower())
+            else:
+                r.refuse(src, v, f"not a preset; use one of {', '.join(presets)}")
+        elif sub == "partition_config":
+            _ds_partition_config(src, v, r)
+        elif sub in ("replace_with_kernel_inject", "kernel_inject"):
+            if v:
+                r.refuse(src, v, "DeepSpeed's inference kernel injection is not supported; set it false")
+            else:
+                r.ignore(src, v, "off")
+        elif sub in _DS_TP_IGNORED:
+            r.ignore(src, v, _DS_TP_IGNORED[sub])
+        else:
+            r.refuse(src, v, "unknown tensor_parallel key, not converted; remove it or report it")
+
+
+def _ds_tp_size(src: str, value: Any, r: ImportReport) -> None:
+    if value == "auto":
+        r.refuse(src, value, _AUTO)
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        r.refuse(src, value, "must be an integer >= 0 (the tensor-parallel degree)")
+    elif value == 0:
+        r.ignore(src, value, "0 disables AutoTP in DeepSpeed (tensor_parallel.size: 1, the default)")
+    else:
+        r.set(src, value, f"{_TP}.size", value)
+
+
+def _ds_partition_config(src: str, value: Any, r: ImportReport) -> None:
+    if value is None:
+        r.ignore(src, value, "no custom rules")
+        return
+    if not isinstance(value, dict):
+        r.refuse(src, value, "must be a mapping with use_default_specs / layer_specs")
+        return
+    for sub, v in value.items():
+        key = f"{src}.{sub}"
+        if sub == "use_default_specs":
+            if isinstance(v, bool):
+                r.set(key, v, f"{_TP}.partition_config.use_default_specs", v)
+            else:
+                r.refuse(key, v, "must be true or false")
+        elif sub == "layer_specs":
+            _ds_layer_specs(key, v, r)
+        elif sub == "tp_size":
+            r.ignore(key, v, "DeepSpeed replaces it with tensor_parallel.autotp_size")
+        elif sub in _DS_PARTITION_DEFAULTS:
+            default, why = _DS_PARTITION_DEFAULTS[sub]
+            if v == default:
+                r.ignore(key, v, "DeepSpeed's default")
+            else:
+                r.refuse(key, v, why)
+        else:
+            r.refuse(key, v, "unknown partition_config key, not converted; remove it or report it")
+
+
+def _ds_pattern(pattern: Any) -> Any:
+    r"""[Note: DeepSpeed's layer-spec patterns]
+    DeepSpeed matches a spec's patterns with ``re.match`` against ``<module>.weight``;
+    mixprec matches with ``re.search`` against ``<module>``. A trailing ``\.weight$`` (or
+    ``\.weight``, ``.weight$``) becomes ``$``, and a pattern that is not anchored (``^``)
+    nor starts with ``.*`` gets ``^``, so each pattern selects the same modules."""
+    if not isinstance(pattern, str):
+        return pattern
+    for suffix in (r"\.weight$", ".weight$", r"\.weight", ".weight"):
+        if pattern.endswith(suffix):
+            pattern = pattern[: -len(suffix)] + "$"
+            break
+    if not pattern.startswith(("^", ".*")):
+        pattern = f"^(?:{pattern})" if "|" in pattern else "^" + pattern
+    return pattern
+
+
+def _ds_layer_specs(src: str, value: Any, r: ImportReport) -> None:
+    """Each DeepSpeed TPLayerSpec mapping -> a :class:`TPLayerSpec`. A key mixprec has no
+    counterpart for is refused on its own (the entry is converted without it); an entry the
+    schema rejects is refused whole, with the schema's error."""
+    if not isinstance(value, list):
+        r.refuse(src, value, "must be a list of mappings (patterns, partition_type, ...)")
+        return
+    specs, rewritten, defaulted = [], [], []
+    for i, entry in enumerate(value):
+        at = f"{src}[{i}]"
+        if not isinstance(entry, dict):
+            r.refuse(at, entry, "must be a mapping with patterns and partition_type")
+            continue
+        spec: dict = {}
+        for key, x in entry.items():
+            if key == "patterns":
+                spec[key] = [_ds_pattern(p) for p in x] if isinstance(x, list) else x
+                if isinstance(x, list) and spec[key] != x:
+                    rewritten.append(f"[{i}] " + ", ".join(f"{a} -> {b}" for a, b in zip(x, spec[key]) if a != b))
+            elif key == "partition_type":
+                spec[key] = x.lower() if isinstance(x, str) else x
+            elif key in ("shape", "partition_dim"):
+                spec[key] = x
+            elif key == "model_types":
+                if x is not None:
+                    spec[key] = x
+            elif key in _DS_SPEC_FLAGS:
+                if x:
+                    r.refuse(f"{at}.{key}", x, f"{_DS_SPEC_FLAGS[key]}; set it false")
+                else:
+                    r.ignore(f"{at}.{key}", x, "off")
+            else:
+                r.refuse(f"{at}.{key}", x, "unknown layer spec key, not converted; remove it")
+        if "partition_type" not in spec:
+            spec["partition_type"] = "column"  # DeepSpeed's default
+            defaulted.append(str(i))
+        try:
+            built = coerce_record(TPLayerSpec, spec, _TP_SPECS + f"[{i}]", "the DeepSpeed config")
+        except ConfigError as e:
+            r.refuse(at, entry, str(e))
+            continue
+        specs.append(built)
+    if specs or not value:
+        note = ""
+        if rewritten:
+            note += (" (DeepSpeed matches re.match on '<module>.weight', mixprec re.search on '<module>': "
+                     + "; ".join(rewritten) + ")")
+        if defaulted:
+            note += f" (entries {', '.join(defaulted)}: partition_type column, DeepSpeed's default)"
+        r.set(src, value, _TP_SPECS, tuple(specs), note)
 
 
 def _ds_precision(key: str, value: Any, enabled: list[str], r: ImportReport) -> None:

@@ -4,7 +4,7 @@ checks the committed file is current: regenerate it with
 
 from __future__ import annotations
 
-from .fields import block_fields, describe_type, field_docs, format_value, is_block, leaves
+from .fields import FieldInfo, block_fields, describe_type, field_docs, format_value, is_block, leaves, record_type
 from .resolve import env_name
 from .schema import MixprecConfig
 
@@ -73,7 +73,10 @@ accelerator = Accelerator(config="mixprec.yaml")      # or: mixprec launch --con
 * `mixprec config import ds_config.json -o mixprec.yaml` — convert a DeepSpeed JSON or an
   Accelerate YAML config, printing what each key became; keys with no meaning here (e.g.
   `offload_optimizer` to nvme) are refused one by one, and nothing is written unless
-  `--drop-refused` is given.
+  `--drop-refused` is given. DeepSpeed's AutoTP section (`tensor_parallel`: `autotp_size`,
+  `preset_model`, `partition_config`) becomes the `tensor_parallel` block; its layer-spec
+  patterns are rewritten from DeepSpeed's `re.match` on `<module>.weight` to mixprec's
+  `re.search` on `<module>` (e.g. `.*\\.o_proj\\.weight$` -> `.*\\.o_proj$`), each rewrite shown.
 * `mixprec config reference -o docs/configuration.md` — this file.
 * `mixprec test` — a 2-process self-check (Gloo, ddp and zero2 in bf16).
 
@@ -84,13 +87,30 @@ accelerator = Accelerator(config="mixprec.yaml")      # or: mixprec launch --con
 def _block_section(title: str, cls: type, prefix: str) -> list[str]:
     doc = " ".join((cls.__doc__ or "").split())
     lines = [f"### {title}", "", doc, "", "| key | type | default | env | description |", "|---|---|---|---|---|"]
-    for path, info in leaves(cls, prefix).items():
+    infos = leaves(cls, prefix)
+    for path, info in infos.items():
         kind = describe_type(info.type)
         if info.rule:
             kind = info.rule
         lines.append(
             f"| `{path}` | {kind} | `{format_value(info.default)}` | `{env_name(path)}` | {info.doc} |"
         )
+    lines.append("")
+    for info in infos.values():
+        lines += _record_table(info)
+    return lines
+
+
+def _record_table(info: FieldInfo) -> list[str]:
+    """The keys of each entry of a list-of-records leaf (e.g. ``layer_specs``), if it is one."""
+    record = record_type(info.type)
+    if record is None:
+        return []
+    doc = " ".join((record.__doc__ or "").split())
+    lines = [f"Each entry of `{info.path}`: {doc}", "", "| key | type | default | description |", "|---|---|---|---|"]
+    for name, entry in leaves(record).items():
+        kind = entry.rule or describe_type(entry.type)
+        lines.append(f"| `{name}` | {kind} | `{format_value(entry.default)}` | {entry.doc} |")
     lines.append("")
     return lines
 

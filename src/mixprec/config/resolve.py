@@ -196,7 +196,8 @@ def resolve(
     ``{dotted key: (value, argument name)}`` of the constructor arguments given.
     ``engine_options``: the constructor's dict for the selected backend's block. ``env``:
     the environment (default ``os.environ``). ``world_size``: to resolve ``backend: auto``
-    (default ``$WORLD_SIZE`` or 1).
+    and check that it is a multiple of ``tensor_parallel.size`` (default ``$WORLD_SIZE`` or
+    1; a world of one process is not checked: nothing is launched yet).
 
     Example::
 
@@ -253,8 +254,23 @@ def resolve(
             settings[path] = Setting(_agreed(path, values, None), values[0][1])
         else:
             settings[path] = Setting(info.default, "default")
-    return ResolvedConfig(_build(MixprecConfig, {p: s.value for p, s in settings.items()}),
-                          settings, engine, tuple(files))
+    built = _build(MixprecConfig, {p: s.value for p, s in settings.items()})
+    _check_tensor_parallel(built, settings, world_size)
+    return ResolvedConfig(built, settings, engine, tuple(files))
+
+
+def _check_tensor_parallel(config: MixprecConfig, settings: Mapping[str, Setting], world_size: int) -> None:
+    """Tensor-parallel groups are ``size`` consecutive ranks: the processes must fill whole
+    groups. One process (a script run without a launcher, ``mixprec config explain``) says
+    nothing about the run's world size and is not checked."""
+    size = config.tensor_parallel.size
+    if size > 1 and world_size > 1 and world_size % size:
+        raise ConfigError(
+            f"tensor_parallel.size={size} (from {settings['tensor_parallel.size'].source}) does not "
+            f"divide the world size {world_size}: tensor-parallel groups are {size} consecutive ranks "
+            f"and {world_size} processes do not fill whole groups. Run a multiple of "
+            f"tensor_parallel.size processes, or change tensor_parallel.size"
+        )
 
 
 def _agreed(path: str, values: list[tuple[Any, str]], default: Any) -> Any:

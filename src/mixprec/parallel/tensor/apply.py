@@ -45,6 +45,9 @@ class TPLayout:
     full_shapes: dict[str, tuple]
     split_ids: set = dataclasses.field(default_factory=set)
     grad_allreduce_ids: set = dataclasses.field(default_factory=set)
+    # id(parameter before the split) -> the split parameter that replaced it (an optimizer
+    # built before prepare() holds the former: swap_optimizer_params).
+    replaced: dict = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict[str, str]:
         """Parameter name -> its partition ("replicated" where not split)."""
@@ -141,6 +144,7 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
         for attr, p in list(mod._parameters.items()):
             if p is not None and id(p) in done and p is not done[id(p)][0]:
                 mod._parameters[attr] = done[id(p)][0]
+    layout.replaced = {k: v[0] for k, v in done.items()}
     _localise_heads(model, plans, tp)
     for p in model.parameters():
         if id(p) in layout.grad_allreduce_ids and p.requires_grad:

@@ -354,6 +354,7 @@ def _teardown(saved: _Saved) -> bool:
     import torch.distributed as dist
 
     import mixprec.accelerator as acc_mod
+    from mixprec.checkpoint import sync as checkpoint_sync
     from mixprec.distributed import watchdog
     from mixprec.distributed.state import DistributedState, destroy_distributed
 
@@ -372,6 +373,7 @@ def _teardown(saved: _Saved) -> bool:
         clean = False
     acc_mod._CREATED_GROUPS.clear()
     watchdog._INSTANCES[0] = 0
+    checkpoint_sync._INSTANCES[0] = 0
     watchdog._ACTIVE[0] = None
     try:
         clean = saved.restore() and clean

@@ -181,3 +181,228 @@ def test_tp2_matches_one_process(world):
     pytest.importorskip("transformers")
     results = run_distributed(_cases, world, args=(CASES_2 if world == 2 else CASES_4, 2), timeout=600)
     _check(results)
+
+
+# ------------------------------------------------------------------ fused weights
+def _fused_twin(fused: bool):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, fused, d=32, heads=4, kv=2, ff=48):
+            super().__init__()
+            self.fused = fused
+            self.num_heads, self.num_kv_heads, self.head_dim = heads, kv, d // heads
+            hd = self.head_dim
+            if fused:
+                self.qkv_proj = nn.Linear(d, (heads + 2 * kv) * hd)
+                self.gate_up_proj = nn.Linear(d, 2 * ff)
+            else:
+                self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, n * hd) for n in (heads, kv, kv))
+                self.gate_proj, self.up_proj = nn.Linear(d, ff), nn.Linear(d, ff)
+            self.o_proj, self.down_proj = nn.Linear(heads * hd, d), nn.Linear(ff, d)
+            self.norm = nn.LayerNorm(d)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            hd, h, fused = self.head_dim, self.norm(x), self.fused
+            if fused:
+                q, k, v = self.qkv_proj(h).split([self.num_heads * hd, self.num_kv_heads * hd,
+                                                  self.num_kv_heads * hd], dim=-1)
+            else:
+                q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+            q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in (q, k, v))
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o_proj(att.transpose(1, 2).reshape(b, s, -1))
+            h = self.norm(x)
+            g, u = self.gate_up_proj(h).chunk(2, dim=-1) if fused else (self.gate_proj(h), self.up_proj(h))
+            return x + self.down_proj(F.silu(g) * u)
+
+    torch.manual_seed(0)
+    unfused = nn.Sequential(Block(False), Block(False))
+    if not fused:
+        return unfused
+    model = nn.Sequential(Block(True), Block(True))
+    with torch.no_grad():
+        for f, u in zip(model, unfused):
+            f.qkv_proj.weight.copy_(torch.cat([u.q_proj.weight, u.k_proj.weight, u.v_proj.weight]))
+            f.qkv_proj.bias.copy_(torch.cat([u.q_proj.bias, u.k_proj.bias, u.v_proj.bias]))
+            f.gate_up_proj.weight.copy_(torch.cat([u.gate_proj.weight, u.up_proj.weight]))
+            f.gate_up_proj.bias.copy_(torch.cat([u.gate_proj.bias, u.up_proj.bias]))
+            for name in ("o_proj", "down_proj", "norm"):
+                getattr(f, name).load_state_dict(getattr(u, name).state_dict())
+    return model
+
+
+FUSED_SPECS = {"use_default_specs": False, "layer_specs": [
+    {"patterns": [r"\.qkv_proj$"], "partition_type": "column", "shape": [[32, 16, 16], -1]},
+    {"patterns": [r"\.gate_up_proj$"], "partition_type": "column", "shape": [2, -1]},
+    {"patterns": [r"\.(o_proj|down_proj)$"], "partition_type": "row"},
+]}
+
+
+def _fused_run(state):
+    import gc
+
+    import torch
+
+    from mixprec import Accelerator
+
+    out = {}
+    for fused in (True, False):
+        tp_cfg = {"size": 2, "partition_config": FUSED_SPECS} if fused else {"size": 2}  # unfused: heuristics
+        acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend="zero2",
+                          config={"tensor_parallel": tp_cfg})
+        model = _fused_twin(fused)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        g = torch.Generator().manual_seed(7)
+        for _ in range(STEPS):
+            x, y = torch.randn(2, 6, 32, generator=g), torch.randn(2, 6, 32, generator=g)
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            acc.clip_grad_norm_(model.parameters(), 0.1)
+            opt.step()
+            opt.zero_grad()
+        out[fused] = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+        out[f"plan{fused}"] = acc.tp_plan
+        del acc, model, opt
+        gc.collect()
+    f, u = out[True], out[False]
+    worst = (0.0, "")
+    for i in range(2):
+        pairs = [(f"{i}.qkv_proj.weight", [f"{i}.{n}_proj.weight" for n in "qkv"]),
+                 (f"{i}.qkv_proj.bias", [f"{i}.{n}_proj.bias" for n in "qkv"]),
+                 (f"{i}.gate_up_proj.weight", [f"{i}.gate_proj.weight", f"{i}.up_proj.weight"]),
+                 (f"{i}.gate_up_proj.bias", [f"{i}.gate_proj.bias", f"{i}.up_proj.bias"]),
+                 (f"{i}.o_proj.weight", [f"{i}.o_proj.weight"]), (f"{i}.down_proj.weight", [f"{i}.down_proj.weight"])]
+        for fk, uks in pairs:
+            whole = torch.cat([u[k] for k in uks])
+            if fk.endswith("qkv_proj.bias"):  # the key bias: rounding noise (see _NOISE)
+                keep = torch.ones_like(whole, dtype=torch.bool)
+                keep[32:48] = False
+                worst = max(worst, (_rel(f[fk][keep], whole[keep]), fk))
+            else:
+                worst = max(worst, (_rel(f[fk], whole), fk))
+    return {"worst": worst, "fused_split": sorted(out["planTrue"]), "unfused_split": sorted(out["planFalse"])}
+
+
+def test_fused_qkv_and_gate_up_equal_their_unfused_twin():
+    """Fused QKV / gate_up Linears split by partition_config sub-parameter specs train to the
+    same weights as the unfused twin (split by the name heuristics), TP=2 on zero2, fp32."""
+    for r in run_distributed(_fused_run, 2, timeout=300):
+        assert r["worst"][0] <= 1e-5, r
+        assert "0.qkv_proj.weight" in r["fused_split"] and "1.gate_up_proj.bias" in r["fused_split"], r
+        assert {"0.q_proj.weight", "0.k_proj.weight", "0.down_proj.weight"} <= set(r["unfused_split"]), r
+
+
+# ------------------------------------------------------------- exports and errors
+def _exports_and_errors(state, tmp):
+    import gc
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from mixprec import Accelerator
+    from mixprec.config import ConfigError
+    from mixprec.parallel.tensor import InputMismatchError, PlanError
+
+    rank = dist.get_rank()
+    out = {}
+
+    def logits(model, ids):
+        with torch.no_grad():
+            return model(input_ids=ids).logits.float()
+
+    ids = _global_batch(0, 1)
+    # save_16bit_model under TP + zero2 (bf16) and under fsdp (bf16), then plain reloads.
+    for backend, tp in (("zero2", 2), ("fsdp", 1)):
+        acc = Accelerator(mixed_precision="bf16", cpu=True, log_policy=False, backend=backend,
+                          config={"tensor_parallel": {"size": tp}})
+        model = _model("llama")
+        model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+        model, opt = acc.prepare(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3))
+        for step in range(2):
+            batch = _global_batch(step, 2)[(rank // tp) * 2:(rank // tp + 1) * 2]
+            acc.backward(model(input_ids=batch, labels=batch).loss)
+            opt.step()
+            opt.zero_grad()
+        d = os.path.join(tmp, f"{backend}-tp{tp}")
+        saved = [acc.save_16bit_model(model, d),
+                 acc.save_16bit_model(model, d, "model.safetensors", exclude_frozen_parameters=True)]
+        full = acc.get_state_dict(model)
+        acc.save_model(model, d + "-hf")
+        if rank == 0:
+            model.config.save_pretrained(d + "-hf")
+        acc.wait_for_everyone()
+        bin_sd = torch.load(os.path.join(d, "pytorch_model.bin"), weights_only=True)
+        st_sd = load_file(os.path.join(d, "model.safetensors"))
+        plain = _model("llama").to(torch.bfloat16)
+        plain.load_state_dict(bin_sd)
+        twin = _model("llama").to(torch.bfloat16)
+        twin.load_state_dict({k: v.to(torch.bfloat16) for k, v in full.items()})
+        from transformers import LlamaForCausalLM
+
+        hf = LlamaForCausalLM.from_pretrained(d + "-hf", dtype=torch.float32)
+        fp32 = _model("llama")
+        fp32.load_state_dict(full)
+        out[backend] = {
+            "saved": saved,
+            "dtypes": {str(v.dtype) for v in bin_sd.values()} | {str(v.dtype) for v in st_sd.values()},
+            "keys": set(bin_sd) == set(full) and set(st_sd) == set(full) - {"model.layers.1.mlp.up_proj.weight"},
+            "shapes": all(bin_sd[k].shape == full[k].shape for k in full),
+            "logits_equal": torch.equal(logits(plain, ids), logits(twin, ids)),
+            "hf_logits_equal": torch.equal(logits(hf, ids), logits(fp32, ids)),
+        }
+        del acc, model, opt
+        gc.collect()
+
+    def raises(fn, exc):
+        try:
+            fn()
+        except exc as e:
+            return str(e)
+        return None
+
+    acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, config={"tensor_parallel": {"size": 2}})
+    model, _ = acc.prepare(_model("llama"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    out["save_state"] = raises(lambda: acc.save_state(os.path.join(tmp, "ckpt")), NotImplementedError)
+    out["mismatch"] = raises(lambda: model(input_ids=_global_batch(rank, 1)), InputMismatchError)
+    out["tp_plan_has_replicated_norm"] = not any("norm" in k for k in acc.tp_plan)
+    out["world"] = raises(lambda: Accelerator(cpu=True, log_policy=False, config={"tensor_parallel": {"size": 4}}),
+                          ConfigError)
+    out["zero3"] = raises(lambda: Accelerator(cpu=True, log_policy=False, backend="zero3",
+                                              config={"tensor_parallel": {"size": 2}}), NotImplementedError)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=24, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=3, num_key_value_heads=3, head_dim=8))
+    out["heads"] = raises(lambda: acc.prepare(odd), PlanError)
+    few_kv = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=1))
+    out["few_kv"] = raises(lambda: acc.prepare(few_kv), NotImplementedError)
+    bad = _model("llama")
+    bad._tp_plan = {**bad.tp_plan, "model.layers.*.mlp.gate_proj": "sequence_parallel"}
+    out["style"] = raises(lambda: acc.prepare(bad), PlanError)
+    return out
+
+
+def test_exports_and_errors(tmp_path):
+    """save_16bit_model (TP + zero2, and fsdp) writes 16-bit full weights that plain torch and
+    from_pretrained load with equal logits; every refusal names its values."""
+    pytest.importorskip("transformers")
+    for r in run_distributed(_exports_and_errors, 2, args=(str(tmp_path),), timeout=300):
+        for backend in ("zero2", "fsdp"):
+            e = r[backend]
+            assert e["saved"] == [True, True] and e["dtypes"] == {"torch.bfloat16"}, e
+            assert e["keys"] and e["shapes"] and e["logits_equal"] and e["hf_logits_equal"], e
+        assert "save_state() with tensor_parallel.size=2" in r["save_state"], r
+        assert "different inputs" in r["mismatch"] and "[0, 1]" in r["mismatch"], r
+        assert r["tp_plan_has_replicated_norm"]
+        assert "2" in r["world"] and "4" in r["world"], r["world"]
+        assert "backend='zero3'" in r["zero3"], r["zero3"]
+        assert "3 heads of 8" in r["heads"] and "tensor_parallel.size=2" in r["heads"], r["heads"]
+        assert "1 key/value head" in r["few_kv"], r["few_kv"]
+        assert "sequence_parallel" in r["style"] and "model.layers.0.mlp.gate_proj" in r["style"], r["style"]

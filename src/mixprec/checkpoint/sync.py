@@ -26,6 +26,14 @@ from ..distributed.state import DistributedState
 __all__ = ["CallCheck", "CollectiveMismatchError"]
 
 
+# CallChecks made in this process so far. Every rank makes its Accelerators (and so their
+# checks) in the same order, so the n-th check of one rank is the n-th of every rank: its
+# keys get their own namespace in the store the process group shares. (A per-instance
+# sequence alone would make a second Accelerator over the same group read the first one's
+# keys: "ranks made different collective calls".)
+_INSTANCES = [0]
+
+
 class CallCheck:
     """Per-Accelerator counter of checked calls (every rank counts the same calls)."""
 
@@ -34,13 +42,15 @@ class CallCheck:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
         self.timeout_s = timeout_s  # how long a rank waits for the others to reach the call
         self.sequence = 0  # checked calls so far on this rank
+        _INSTANCES[0] += 1
+        self.instance = _INSTANCES[0]
 
     def __call__(self, state: DistributedState, call: str) -> None:
         if state.world_size <= 1:
             return
         self.sequence += 1
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"mixprec/collective/{self.sequence}/"
+        prefix = f"mixprec/collective/{self.instance}/{self.sequence}/"
         store.set(prefix + str(state.rank), call)
         keys = [prefix + str(r) for r in range(state.world_size)]
         try:

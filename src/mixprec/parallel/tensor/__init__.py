@@ -57,19 +57,17 @@ def prepare_model(model: nn.Module, engine: Any, mesh: Mesh, tp_config: Any, wor
 def swap_optimizer_params(optimizer: Any, models: list) -> None:
     """An optimizer built from the model's parameters before ``prepare()`` holds the whole
     ones the split replaced: give it the split parameters (as Accelerate does for FSDP2)."""
-    replaced = {}
-    for model in models:
-        layout = layout_of(model)
-        if layout is not None:
-            replaced.update(layout.replaced)
-    if not replaced:
-        return
-    stale = [p for g in optimizer.param_groups for p in g["params"] if id(p) in replaced and p in optimizer.state]
+    layouts = [lay for lay in map(layout_of, models) if lay is not None]
+
+    def replacement(p):
+        return next((r for lay in layouts if (r := lay.replacement(p)) is not None), None)
+
+    stale = [p for g in optimizer.param_groups for p in g["params"] if replacement(p) is not None and p in optimizer.state]
     if stale:
         raise ValueError(f"{type(optimizer).__name__} already holds state for {len(stale)} parameter(s) that tensor "
                          "parallelism split; prepare the model and the optimizer before the first optimizer step")
     for group in optimizer.param_groups:
-        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+        group["params"] = [p if (r := replacement(p)) is None else r for p in group["params"]]
 
 
 def layout_of(model: nn.Module) -> Optional[TPLayout]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -45,9 +46,14 @@ class TPLayout:
     full_shapes: dict[str, tuple]
     split_ids: set = dataclasses.field(default_factory=set)
     grad_allreduce_ids: set = dataclasses.field(default_factory=set)
-    # id(parameter before the split) -> the split parameter that replaced it (an optimizer
-    # built before prepare() holds the former: swap_optimizer_params).
+    # id(parameter before the split) -> (weak reference to it, the split parameter that
+    # replaced it): an optimizer built before prepare() holds the former
+    # (swap_optimizer_params). The weak reference tells a reused id from the original.
     replaced: dict = dataclasses.field(default_factory=dict)
+
+    def replacement(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        entry = self.replaced.get(id(p))
+        return entry[1] if entry is not None and entry[0]() is p else None
 
     def describe(self) -> dict[str, str]:
         """Parameter name -> its partition ("replicated" where not split)."""
@@ -112,6 +118,9 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     for pname, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(pname)
     done: dict[int, tuple] = {}  # id(original param) -> (new param, dim, sizes)
+    # The originals stay alive until the end: an id in `done` must never be reused by a new
+    # parameter made here (it would be taken for a tied original and swapped).
+    keep_alive: list = []
     layout = TPLayout(tp, plans, {}, {})
     for name, plan in plans.items():
         module = modules[name]
@@ -129,6 +138,7 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 raise PlanError(f"{name}: its weight is shared (tied) with a module split on dim {dim}, but its own "
                                 f"plan splits dim {plan.split_dim()}; give both the same partition")
         full_shapes = {k: tuple(t.shape) for k, t in originals.items() if isinstance(t, torch.Tensor)}
+        keep_alive.extend(t for t in originals.values() if t is not None)
         for attr, new, dim in split_module(module, plan, tp):
             old = originals[attr]
             if id(old) in done:  # tied: every owner holds the one split parameter
@@ -144,7 +154,8 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
         for attr, p in list(mod._parameters.items()):
             if p is not None and id(p) in done and p is not done[id(p)][0]:
                 mod._parameters[attr] = done[id(p)][0]
-    layout.replaced = {k: v[0] for k, v in done.items()}
+    layout.replaced = {id(old): (weakref.ref(old), done[id(old)][0]) for old in keep_alive if id(old) in done}
+    del keep_alive
     _localise_heads(model, plans, tp)
     for p in model.parameters():
         if id(p) in layout.grad_allreduce_ids and p.requires_grad:

@@ -52,10 +52,29 @@ class TPGroup:
     rank: int
 
 
+# Bytes this process handed to the TP collectives since the last reset, by collective:
+# ``all_reduce``: the buffer all-reduced; ``all_gather``: the gathered result (every rank's
+# part). What a rank sends follows from the algorithm (ring all-reduce: 2(N-1)/N of the
+# buffer; all-gather: (N-1)/N of the result): benchmarks/bench_tp.py converts.
+_COUNTERS = {"all_reduce": 0, "all_gather": 0, "all_reduce_calls": 0, "all_gather_calls": 0}
+
+
+def comm_counters() -> dict:
+    """A copy of the TP collective counters (see ``_COUNTERS``)."""
+    return dict(_COUNTERS)
+
+
+def reset_comm_counters() -> None:
+    for k in _COUNTERS:
+        _COUNTERS[k] = 0
+
+
 def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if tp.size == 1:
         return x
     x = x.contiguous()
+    _COUNTERS["all_reduce"] += x.numel() * x.element_size()
+    _COUNTERS["all_reduce_calls"] += 1
     dist.all_reduce(x, group=tp.group)
     return x
 
@@ -64,6 +83,8 @@ def _all_gather_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if tp.size == 1:
         return x
     x = x.contiguous()
+    _COUNTERS["all_gather"] += x.numel() * x.element_size() * tp.size
+    _COUNTERS["all_gather_calls"] += 1
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x, group=tp.group)
     return torch.cat(parts, dim=-1)

@@ -24,11 +24,13 @@ QUICK = {
     "char_gpt.py": ["--steps", "3", "--batch", "8", "--sample-chars", "4"],
     "denoiser.py": ["--steps", "4", "--samples", "32"],
 }
+# Multi-process only (tests/distributed/test_example_runs.py): not in the one-process runs.
+DISTRIBUTED_ONLY = {"tp_llama.py": ["--steps", "40"]}
 FINAL = re.compile(r"^final: loss ([-\d.naif]+).*backend (\w+), (\d) process\(es\), (\S+?)[;,\s]", re.M)
 
 
 def run_example(script: str, *extra: str, launcher: tuple = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, *launcher, str(EXAMPLES / script), *QUICK[script], *extra]
+    cmd = [sys.executable, *launcher, str(EXAMPLES / script), *{**QUICK, **DISTRIBUTED_ONLY}[script], *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent)
     assert out.returncode == 0, f"{cmd}\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
     return out

@@ -69,3 +69,17 @@ def test_new_example_trains_on_zero2_bf16_with_two_processes(script, tmp_path):
     assert "[rank 0/2] INFO" in out.stderr and "[rank 1/2]" not in out.stderr
     steps = QUICK[script][1]
     assert out.stderr.count(f"| {steps}/{steps} [") >= 1
+
+
+@pytest.mark.slow
+def test_tp_llama_example_trains_with_tensor_parallelism(tmp_path):
+    """examples/tp_llama.py on 2 processes (TP=2, bf16): it learns the task, and the
+    16-bit export reloads into a plain model with the same accuracy."""
+    pytest.importorskip("transformers")
+    out = run_example("tp_llama.py", "--mixed-precision", "bf16", "--output-dir", str(tmp_path / "out"),
+                      launcher=("-m", "mixprec", "launch", "--nproc-per-node", "2"))
+    assert_final(out, "ddp", 2, "bf16")
+    assert "tensor_parallel.size=2" in out.stdout and "mesh dp=1 x tp=2" in out.stdout, out.stdout
+    acc = float(out.stdout.split("next-token accuracy ")[-1].split(",")[0])
+    reloaded = float(out.stdout.split("(bfloat16): next-token accuracy ")[1].split()[0])
+    assert acc >= 0.9 and abs(reloaded - acc) <= 0.05, out.stdout

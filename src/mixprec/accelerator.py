@@ -775,14 +775,6 @@ class Accelerator(AccelerateApi):
             )
         self._checkpoint_objects.extend(objects)
 
-    def _refuse_tp_checkpoint(self, call: str) -> None:
-        if self.mesh is not None:
-            raise NotImplementedError(
-                f"{call}() with tensor_parallel.size={self.mesh.tp_size}: resumable checkpoints of split weights "
-                "(and their resharding across TP sizes) are not implemented yet, and nothing was written or read. "
-                "Export the weights with accelerator.save_model() / save_16bit_model() / get_state_dict(), which "
-                "gather the split tensors")
-
     @desync.tracked("save_state")
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs) -> str:
@@ -808,7 +800,6 @@ class Accelerator(AccelerateApi):
                 "per-model save options; call save_state(output_dir) and use save_model() for exports"
             )
         self._call_check(self.state, "save_state")
-        self._refuse_tp_checkpoint("save_state")
         config = self.project_configuration
         automatic = output_dir is None and config.automatic_checkpoint_naming
         if output_dir is None and not automatic:
@@ -842,7 +833,6 @@ class Accelerator(AccelerateApi):
         from .checkpoint.state import load_accelerator_state
 
         self._call_check(self.state, "load_state")
-        self._refuse_tp_checkpoint("load_state")
         config = self.project_configuration
         if input_dir is None:
             if not config.automatic_checkpoint_naming:

@@ -115,3 +115,29 @@ def test_loading_fp16_scaler_state_into_bf16_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="mixed_precision='fp16'"):
         acc.load_state(tmp_path / "c")
     _assert_unchanged(acc, model, opt, snap, masters)
+
+
+def test_a_save_whose_completion_fails_raises_and_keeps_the_previous(tmp_path):
+    """The metadata step (rank 0 checks the slices tile every tensor) failing must fail the
+    save: a state_shards that leaves a hole raised nothing once, and the checkpoint stayed a
+    temporary directory while save_state() returned."""
+    from mixprec.checkpoint.format import Shard
+
+    acc, model, opt, loader, sched, counter = setup("bf16")
+    target = tmp_path / "c"
+    acc.save_state(str(target))
+    before = (target / METADATA).read_bytes()
+    real = acc.engine.state_shards
+
+    def with_a_hole(models, optimizers):
+        shards = real(models, optimizers)
+        s = shards[0]
+        half = s.tensor.numel() // 2
+        shards[0] = Shard(s.name, s.shape, s.dtype, s.offset, s.tensor[:half], s.replicated)
+        return shards
+
+    acc.engine.state_shards = with_a_hole
+    with pytest.raises(ValueError, match="failed; the previous checkpoint is untouched"):
+        acc.save_state(str(target))
+    assert (target / METADATA).read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]

@@ -60,11 +60,14 @@ def write_checkpoint(
     reports = collectives.gather_object(state, report)
     outcome = None
     if state.rank == 0:
-        outcome = _first_error(reports) or _run(lambda: _complete(tmp, target, reports, meta))
-        if isinstance(outcome, dict):
-            outcome = None
+        outcome = _first_error(reports)
+        if outcome is None:
+            # _complete returns {} or, through _run, {"error": ...}: an error must fail the save.
+            outcome = _run(lambda: _complete(tmp, target, reports, meta)).get("error")
     outcome = collectives.broadcast_object_list(state, [outcome])[0]
     if outcome is not None:
+        if state.rank == 0:  # every rank wrote and reported: nobody uses the temporary now
+            shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"save_state({str(target)!r}) failed; the previous checkpoint is untouched: {outcome}")
     return target
 

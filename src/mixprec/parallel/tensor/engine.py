@@ -100,6 +100,38 @@ class TPCommMixin:
         return total.float()
 
 
+    # ------------------------------------------------------------ checkpoints
+    # [Note: TP checkpoints] in parallel/tensor/checkpoint.py: split tensors are saved whole.
+    def _split_infos(self, models) -> dict:
+        from . import layout_of
+        from .checkpoint import split_infos
+
+        return split_infos(models, layout_of)
+
+    _raw_shards = False  # state_names reads the engine's own shapes: no collective
+
+    def state_names(self, models) -> dict:
+        from .checkpoint import full_state_names
+
+        self._raw_shards = True
+        try:
+            names = super().state_names(models)
+        finally:
+            self._raw_shards = False
+        return full_state_names(names, self._split_infos(models))
+
+    def state_shards(self, models, optimizers) -> list:
+        from .checkpoint import whole_shards
+
+        shards = super().state_shards(models, optimizers)
+        return shards if self._raw_shards else whole_shards(shards, self._split_infos(models), self.tp)
+
+    def load_state_shards(self, models, optimizers, read) -> None:
+        from .checkpoint import SliceReader
+
+        super().load_state_shards(models, optimizers, SliceReader(read, self._split_infos(models)))
+
+
 def tp_comm_class(base: type) -> type:
     """``base`` (a Comm class) with [Note: agreement over the mesh]."""
     if base not in _CLASSES:

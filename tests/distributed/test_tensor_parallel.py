@@ -552,3 +552,66 @@ def test_overflow_on_one_tp_rank_accumulation_and_checkpointing():
         assert r["accumulate_ckpt"][0] <= 5e-5, r["accumulate_ckpt"]
         assert r["checkpointed"] == 2, r["checkpointed"]
     assert results[0]["fp16"][1] == results[1]["fp16"][1]
+
+
+# ----------------------------------------------------------------------------- LoRA
+def _lora(state, backend, tp):
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+
+    from mixprec import Accelerator
+
+    def peft_model():
+        torch.manual_seed(0)
+        base = _model("llama")
+        torch.manual_seed(1)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                         lora_dropout=0.0, init_lora_weights="gaussian")
+        return get_peft_model(base, cfg)
+
+    world = dist.get_world_size()
+    ref = peft_model()
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(4):
+        ids = _global_batch(step, world // tp)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_state = {k: v for k, v in ref.state_dict().items()}
+
+    acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend=backend,
+                      config={"tensor_parallel": {"size": tp}})
+    model = peft_model()
+    model, opt = acc.prepare(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    dp_rank = acc.mesh.dp_rank
+    for step in range(4):
+        ids = _global_batch(step, world // tp)[dp_rank * 2:(dp_rank + 1) * 2]
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        acc.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    got = acc.get_state_dict(model)
+    plan = acc.tp_plan
+    out = {
+        "lora": max((_rel(got[k], ref_state[k]), k) for k in ref_state if "lora_" in k),
+        "base_unchanged": all(torch.equal(got[k], ref_state[k]) for k in ref_state if "lora_" not in k),
+        "lora_moved": max(float((got[k] - peft_model().state_dict()[k]).abs().max()) for k in ref_state if "lora_B" in k),
+        "split": sorted(k for k in plan if "lora_" in k),
+    }
+    del acc, model, opt
+    gc.collect()
+    return out
+
+
+def test_lora_adapters_train_under_tp():
+    """peft LoRA on q/v (column) and o/down (row) under TP=2 (zero2) equals one process:
+    lora_B of a column layer and lora_A of a row layer are split, the others replicated."""
+    pytest.importorskip("peft")
+    for r in run_distributed(_lora, 2, args=("zero2", 2), timeout=300):
+        assert r["lora"][0] <= 1e-5 and r["base_unchanged"] and r["lora_moved"] > 1e-3, r
+        assert any("q_proj.lora_B" in k for k in r["split"]) and any("o_proj.lora_A" in k for k in r["split"]), r
+        assert not any("q_proj.lora_A" in k or "o_proj.lora_B" in k for k in r["split"]), r["split"]

@@ -170,6 +170,7 @@ def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup) 
     """A module with a column-split child Linear sees its local head counts."""
     for name, module in model.named_modules():
         children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        children += [f"{c}.base_layer" for c in children]  # a peft LoRA layer's Linear
         if not any(plans.get(c) is not None and plans[c].style.startswith("column") for c in children):
             continue
         for attr in _HEAD_ATTRS:

@@ -186,7 +186,54 @@ def _spec_matches(spec: Any, name: str, model_type: Optional[str]) -> bool:
 
 def resolve_plan(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
     """The plan of every ``nn.Linear``/``nn.Embedding`` of ``model`` ([Note: plan resolution]):
-    module path -> LayerPlan (``replicated`` where nothing splits it)."""
+    module path -> LayerPlan (``replicated`` where nothing splits it).
+
+    A peft model is planned on its base model (the Hugging Face plan's keys are relative to
+    it) and every LoRA layer is expanded ([Note: LoRA under TP])."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    if base is not model:
+        prefix = next(n for n, m in model.named_modules() if m is base)
+        inner = _resolve(base, tp_config)
+        return {f"{prefix}.{k}" if prefix else k: dataclasses.replace(v, name=f"{prefix}.{k}" if prefix else k)
+                for k, v in inner.items()}
+    return _resolve(model, tp_config)
+
+
+# [Note: LoRA under TP]
+# A peft LoRA layer wraps the Linear the plan names (``q_proj`` -> ``q_proj.base_layer``) and
+# adds ``lora_B(lora_A(x))`` to its output. The adapter must produce the base layer's layout:
+# - base column-split (output split): ``lora_B`` is column-split the same way (its input, the
+#   rank-r activation, goes through copy_to, so its gradient, and with it ``lora_A``'s and
+#   x's, is summed over the TP ranks); ``lora_A`` stays replicated;
+# - base row-split (input split, output summed): ``lora_A`` is row-split (its partial
+#   products summed over TP); ``lora_B`` stays replicated and adds to the summed output.
+# So a LoRA's trainable matrices follow the same rules as any Linear, and the norm, the
+# checkpoints and the exports need nothing of their own.
+def _expand_lora(plans: dict[str, LayerPlan], modules: dict[str, nn.Module]) -> dict[str, LayerPlan]:
+    out = {}
+    for name, plan in plans.items():
+        module = modules[name]
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, nn.Linear) or plan.style not in SPLIT_STYLES:
+            out[name] = plan
+            continue
+        out[f"{name}.base_layer"] = dataclasses.replace(plan, name=f"{name}.base_layer")
+        column = plan.style.startswith("column")
+        if column and plan.shape:
+            raise PlanError(f"{name}: a LoRA adapter on a fused weight split into sub-parameters {list(plan.shape)} "
+                            "is not supported; put the adapter on unfused Linears, or give this module "
+                            "partition_type: skip")
+        for adapters, follows in (("lora_A", not column), ("lora_B", column)):
+            for key, sub in getattr(module, adapters, {}).items():
+                path = f"{name}.{adapters}.{key}"
+                if isinstance(sub, nn.Linear):
+                    style = plan.style if follows else "replicated"
+                    out[path] = LayerPlan(path, style, f"{plan.source}+lora")
+    return out
+
+
+def _resolve(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
     partition = _get(tp_config, "partition_config")
     specs = list(_get(partition, "layer_specs", ()) or ())
     use_defaults = bool(_get(partition, "use_default_specs", True))
@@ -201,7 +248,7 @@ def resolve_plan(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
     plans: dict[str, LayerPlan] = {}
 
     def weight_size(module: nn.Module, style: str, dim: Optional[int]) -> int:
-        w = module.weight
+        w = getattr(module, "base_layer", module).weight  # a peft LoRA layer: its base Linear
         d = dim if dim is not None else {"column": 0, "row": 1}.get(style, 0)
         return w.shape[d]
 
@@ -210,6 +257,7 @@ def resolve_plan(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
         if not name:
             continue
         is_linear, is_embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
+        is_linear = is_linear or isinstance(getattr(module, "base_layer", None), nn.Linear)  # peft LoRA
         spec = next((s for s in specs if _spec_matches(s, name, model_type)), None)
         if spec is not None and (is_linear or is_embedding):
             style = _SPEC_STYLES.get(_get(spec, "partition_type"))
@@ -233,7 +281,7 @@ def resolve_plan(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
                     "tensor_parallel.partition_config layer spec (partition_type column, row or skip), or set "
                     "use_default_specs: false and write the plan as layer_specs")
             style, kind = HF_STYLES[hf_style]
-            if not isinstance(module, kind):
+            if not isinstance(module, kind) and not isinstance(getattr(module, "base_layer", None), kind):
                 raise PlanError(f"{name}: the Hugging Face style {hf_style!r} applies to {kind.__name__}, but this "
                                 f"module is a {type(module).__name__}; override it with a partition_config layer spec")
             shape = None
@@ -252,7 +300,8 @@ def resolve_plan(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
     if use_defaults and not any(p.source in ("hf_plan",) or p.source.startswith("preset") for p in plans.values()):
         by_parent: dict[str, dict[str, str]] = {}
         for name, module in modules.items():
-            if not name or name in plans or not isinstance(module, nn.Linear):
+            linear = isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+            if not name or name in plans or not linear or ".lora_" in name or name.endswith(".base_layer"):
                 continue
             rule = next((t for p, t, _ in HEURISTICS if re.search(p, name)), None)
             if rule is not None:
@@ -261,6 +310,7 @@ def resolve_plan(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
             if {"column", "row"} <= set(named.values()):
                 for name, style in named.items():
                     plans[name] = LayerPlan(name, style, "heuristic")
+    plans = _expand_lora(plans, modules)
     for name, module in modules.items():
         if name and name not in plans and isinstance(module, (nn.Linear, nn.Embedding)):
             plans[name] = LayerPlan(name, "replicated", "default")

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import TPGroup, check_divisible, full_from_local, split_module
+from .layers import TPGroup, check_divisible, full_from_local, replicate_kv_module, split_module
 from .plan import SPLIT_STYLES, LayerPlan, PlanError, resolve_plan
 
 # Attributes attention modules keep their head counts in (a split module sees its own).
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "num_kv_heads",
                "n_kv_heads", "num_key_value_heads_per_partition")
 _KV_NAMES = ("k_proj", "v_proj", "key", "value")
+_KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads_per_partition")
 
 
 class InputMismatchError(RuntimeError):
@@ -108,11 +109,18 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     for name, plan in plans.items():
         if plan.style not in SPLIT_STYLES:
             continue
-        if kv and tp.size > kv and name.rpartition(".")[2] in _KV_NAMES and plan.style.startswith("column"):
+        if ".lora_" in name and _kv_replicated(name.split(".lora_")[0] + ".base_layer", plan, kv, tp):
             raise NotImplementedError(
-                f"{name}: the model has {kv} key/value head(s), fewer than tensor_parallel.size={tp.size}; "
-                "replicating KV heads across TP ranks (GQA/MQA with few KV heads) is not implemented yet. "
-                f"Use a tensor_parallel.size that divides {kv}")
+                f"{name}: a LoRA adapter on a key/value projection with fewer key/value heads ({kv}) than "
+                f"tensor_parallel.size={tp.size} (kept whole on every rank) is not supported yet; leave "
+                "k_proj/v_proj out of the LoRA target_modules, or use a TP size that divides the KV heads")
+        if _kv_replicated(name, plan, kv, tp):
+            if tp.size % kv or not head_dim:
+                raise PlanError(
+                    f"{name}: the model has {kv} key/value head(s), fewer than tensor_parallel.size={tp.size}, "
+                    f"and {tp.size} is not a multiple of {kv}: each rank's query heads must read one whole "
+                    f"key/value head. Use a tensor_parallel.size that divides {kv} or is a multiple of it")
+            continue
         check_divisible(plan, modules[name], tp, head_dim)
     names_of: dict[int, list[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
@@ -129,6 +137,11 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 layout.grad_allreduce_ids.add(id(p))
             continue
         if plan.style not in SPLIT_STYLES:
+            continue
+        if _kv_replicated(name, plan, kv, tp):
+            replicate_kv_module(module, plan, tp, head_dim, kv)
+            for p in module.parameters(recurse=False):
+                layout.grad_allreduce_ids.add(id(p))
             continue
         originals = {"weight": module.weight, "bias": getattr(module, "bias", None)}
         shared = done.get(id(originals["weight"]))
@@ -156,7 +169,7 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 mod._parameters[attr] = done[id(p)][0]
     layout.replaced = {id(old): (weakref.ref(old), done[id(old)][0]) for old in keep_alive if id(old) in done}
     del keep_alive
-    _localise_heads(model, plans, tp)
+    _localise_heads(model, plans, tp, kv)
     for p in model.parameters():
         if id(p) in layout.grad_allreduce_ids and p.requires_grad:
             p.register_hook(_grad_allreduce_hook(tp))
@@ -166,8 +179,19 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     return layout
 
 
-def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup) -> None:
-    """A module with a column-split child Linear sees its local head counts."""
+def _kv_replicated(name: str, plan: LayerPlan, kv: Optional[int], tp: TPGroup) -> bool:
+    """A key/value projection whose heads are fewer than the TP ranks ([Note: KV heads fewer
+    than TP ranks] in parallel/tensor/layers.py)."""
+    leaf = name.rpartition(".")[2]
+    if leaf == "base_layer":
+        leaf = name.rsplit(".", 2)[-2]
+    return bool(kv) and tp.size > kv and leaf in _KV_NAMES and plan.style == "column" and not plan.shape
+
+
+def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup, kv: Optional[int]) -> None:
+    """A module with a column-split child Linear sees its local head counts; with key/value
+    heads fewer than TP ranks, one local key/value head (its query heads' groups adjusted)."""
+    kv_whole = bool(kv) and tp.size > kv
     for name, module in model.named_modules():
         children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
         children += [f"{c}.base_layer" for c in children]  # a peft LoRA layer's Linear
@@ -175,8 +199,17 @@ def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup) 
             continue
         for attr in _HEAD_ATTRS:
             v = module.__dict__.get(attr)
-            if isinstance(v, int) and not isinstance(v, bool) and v % tp.size == 0:
+            if not isinstance(v, int) or isinstance(v, bool):
+                continue
+            if kv_whole and attr in _KV_ATTRS:
+                setattr(module, attr, 1)
+            elif v % tp.size == 0:
                 setattr(module, attr, v // tp.size)
+        groups = module.__dict__.get("num_key_value_groups")
+        if kv_whole and isinstance(groups, int):
+            heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+            if isinstance(heads, int):
+                module.num_key_value_groups = heads // tp.size  # local query heads over 1 kv head
 
 
 def _grad_allreduce_hook(tp: TPGroup):

@@ -201,6 +201,21 @@ class _ColumnLinear(TPModule):
         return y
 
 
+class _KVReplicatedLinear(TPModule):
+    """[Note: KV heads fewer than TP ranks] A key/value projection with fewer heads than TP
+    ranks cannot be split on head boundaries. Every rank keeps the whole (replicated) weight,
+    computes every head and keeps the one its query heads read (``out_narrow``). Its weight
+    and input gradients are then partial, each rank holding its query heads' part: the input
+    goes through copy_to (the input gradient summed over TP) and the weight's gradient is
+    summed over TP by a hook (``grad_allreduce``), so every rank holds the whole, same
+    gradient and the weight stays replicated."""
+
+    def forward(self, x):
+        st = self._mixprec_tp
+        start, length = st.out_narrow
+        return F.linear(copy_to(x, st.tp), self.weight, self.bias).narrow(-1, start, length)
+
+
 class _RowLinear(TPModule):
     def forward(self, x):
         st = self._mixprec_tp
@@ -289,6 +304,16 @@ def check_divisible(plan: LayerPlan, module: nn.Module, tp: TPGroup, head_dim: O
             raise PlanError(f"{plan.name}: {s // head_dim} heads of {head_dim} do not divide over "
                             f"tensor_parallel.size={tp.size} (shards follow head boundaries); use a TP size "
                             f"that divides {s // head_dim}")
+
+
+def replicate_kv_module(module: nn.Module, plan: LayerPlan, tp: TPGroup, head_dim: int, kv_heads: int) -> None:
+    """[Note: KV heads fewer than TP ranks]: keep ``module`` whole, narrow its output to the
+    key/value head this rank's query heads read (TP rank r: head ``r // (size // kv_heads)``)."""
+    per_head = tp.size // kv_heads
+    head = tp.rank // per_head
+    state = TPState(tp, dataclasses.replace(plan, style="kv_replicated"), out_narrow=(head * head_dim, head_dim))
+    object.__setattr__(module, "_mixprec_tp", state)
+    module.__class__ = _tp_class(type(module), _KVReplicatedLinear)
 
 
 def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[str, nn.Parameter, int]]:

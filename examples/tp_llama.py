@@ -2,11 +2,13 @@
 
 Every Linear of the attention and MLP blocks, the embedding (vocabulary-parallel) and the
 ``lm_head`` are split over the TP ranks by the model's ``tp_plan`` (docs/tensor_parallel.md);
-the data-parallel engine (ddp, zero1 or zero2) reduces gradients over the DP ranks only, and
-the prepared DataLoader gives the ranks of one TP group the same batches::
+the data-parallel engine (any backend; zero3/fsdp shard units over the DP ranks: a 2-D
+layout) reduces gradients over the DP ranks only, and the prepared DataLoader gives the ranks
+of one TP group the same batches::
 
     mixprec launch --nproc-per-node 2 examples/tp_llama.py                 # TP=2
     mixprec launch --nproc-per-node 4 examples/tp_llama.py --backend zero2 # TP=2 x DP=2
+    mixprec launch --nproc-per-node 4 examples/tp_llama.py --backend fsdp  # 2-D: fsdp x TP
     mixprec launch --nproc-per-node 2 examples/tp_llama.py --tp 1          # plain DP, to compare
 
 Task: next-token prediction on sequences that count up modulo the vocabulary from a random

@@ -24,20 +24,13 @@ __all__ = ["InputMismatchError", "LayerPlan", "Mesh", "MeshError", "PlanError", 
            "copy_to", "full_state_dict", "gather_from", "layout_of", "prepare_model", "reduce_from",
            "resolve_plan", "scatter_to", "setup", "swap_optimizer_params"]
 
-# Backends whose sharding TP does not compose with yet (2-D layouts).
-_UNSUPPORTED = ("zero3", "fsdp")
-
-
 def setup(comm_cls: type, state: Any, tp_size: int) -> tuple[type, Mesh]:
-    """The engine class and the mesh for ``tensor_parallel.size = tp_size`` (a collective)."""
-    if comm_cls.name in _UNSUPPORTED:
-        raise NotImplementedError(
-            f"tensor_parallel.size={tp_size} with backend={comm_cls.name!r}: the 2-D layout (units sharded over "
-            "the data-parallel ranks, weights split over the TP ranks) is not implemented yet. Use backend ddp, "
-            "zero1 or zero2 with tensor parallelism, or tensor_parallel.size: 1 with zero3/fsdp")
+    """The engine class and the mesh for ``tensor_parallel.size = tp_size`` (a collective).
+    Every distributed backend composes: ddp/zero1/zero2 replicate or shard the split model's
+    state over the DP group, zero3/fsdp shard its units over it (the 2-D layout)."""
     if not comm_cls.distributed:
         raise MeshError(f"tensor_parallel.size={tp_size} needs several processes and a distributed backend, "
-                        f"got backend={comm_cls.name!r}; use ddp, zero1 or zero2 (or auto)")
+                        f"got backend={comm_cls.name!r}; use ddp, zero1, zero2, zero3 or fsdp (or auto)")
     mesh = build_mesh(state.world_size, state.rank, tp_size, backend=state.backend)
     return tp_comm_class(comm_cls), mesh
 

@@ -374,3 +374,25 @@ def test_import_autotp_size_zero_is_off(tmp_path):
     report = import_config(str(src))
     assert report.config == {} and not report.refused
     assert "ignored: 0 disables AutoTP in DeepSpeed" in report.text()
+
+
+def test_explain_prints_the_plan_of_a_hugging_face_model(tmp_path, capsys):
+    """`mixprec config explain --model DIR` prints, per parameter, the split and the local
+    shape at tensor_parallel.size (the model built on the meta device), or replicated."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from mixprec.cli import main
+
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=1).save_pretrained(tmp_path / "m")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("tensor_parallel:\n  size: 2\n")
+    assert main(["config", "explain", str(cfg), "--model", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj.weight [32, 32]: column dim 0 (hf_plan) -> [16, 32] per rank" in out
+    assert "model.layers.0.mlp.down_proj.weight [32, 64]: row dim 1 (hf_plan) -> [32, 32] per rank" in out
+    assert "model.layers.0.self_attn.k_proj.weight [8, 32]: whole on every rank (1 key/value head(s) < 2" in out
+    assert "model.norm.weight [32]: replicated" in out
+    assert main(["config", "explain", str(cfg), "--model", str(tmp_path / "nothing")]) == 1
+    assert "not a Hugging Face config.json" in capsys.readouterr().err

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="config_command")
     ex = sub.add_parser("explain", help="the resolved config, each value's source, and the precision per backend")
     ex.add_argument("file", nargs="?", default=None, help="config file (default: $MIXPREC_CONFIG_FILE, if set)")
+    ex.add_argument("--model", dest="tp_model", default=None, metavar="PATH",
+                    help="a Hugging Face config.json (or its directory): also print the tensor-parallel plan, "
+                         "parameter by parameter, for tensor_parallel.size (the model is built on the meta device)")
     ref = sub.add_parser("reference", help="print (or write) docs/configuration.md, generated from the schema")
     ref.add_argument("-o", "--output", dest="sub_output", default="-", metavar="F", help="file to write ('-': print, the default)")
     imp = sub.add_parser("import", help="convert a DeepSpeed JSON or Accelerate YAML config")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace, input_fn: Callable[[str], str] = input) -> int
     """Run a parsed ``mixprec config ...`` command; the exit code."""
     try:
         if args.config_command == "explain":
-            return _explain(args.file)
+            return _explain(args.file, getattr(args, "tp_model", None))
         if args.config_command == "reference":
             from .reference import reference_markdown
 
@@ -68,12 +71,60 @@ def run(args: argparse.Namespace, input_fn: Callable[[str], str] = input) -> int
         return 1
 
 
-def _explain(file: Optional[str]) -> int:
+def _explain(file: Optional[str], model_path: Optional[str] = None) -> int:
     from .explain import explain
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    print(explain(resolve(file, world_size=world), world_size=world))
+    resolved = resolve(file, world_size=world)
+    print(explain(resolved, world_size=world))
+    if model_path is not None:
+        print()
+        print(_tp_plan_text(resolved.config.tensor_parallel, model_path))
     return 0
+
+
+def _tp_plan_text(tp_config, model_path: str) -> str:
+    """The plan ``tensor_parallel`` gives the Hugging Face model of ``model_path``, per
+    parameter (split style, dimension, local shape at tensor_parallel.size, or replicated)."""
+    import torch
+
+    from ..parallel.tensor.plan import PlanError, resolve_plan
+
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise ConfigError(f"--model {model_path!r} needs transformers installed ({e})") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {model_path!r}: not a Hugging Face config.json or a directory holding one ({e})") \
+            from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    size = tp_config.size
+    try:
+        plans = resolve_plan(model, tp_config)
+    except PlanError as e:
+        raise ConfigError(f"tensor-parallel plan of {model_path!r}: {e}") from None
+    lines = [f"tensor-parallel plan of {type(model).__name__} ({hf_config.model_type}) at tensor_parallel.size={size}:"]
+    for name, p in model.named_parameters():
+        module = name.rpartition(".")[0]
+        plan = plans.get(module)
+        dim = plan.split_dim() if plan is not None else None
+        if plan is None or dim is None or (name.endswith(".bias") and dim != 0):
+            what = "replicated" if plan is None or plan.style in ("replicated", "default") or dim is None \
+                else f"replicated (bias of a {plan.style} layer, added once)"
+            lines.append(f"  {name} {list(p.shape)}: {what}")
+            continue
+        kv = getattr(hf_config, "num_key_value_heads", None)
+        if kv and size > kv and module.rpartition(".")[2] in ("k_proj", "v_proj", "key", "value"):
+            lines.append(f"  {name} {list(p.shape)}: whole on every rank ({kv} key/value head(s) < {size} TP "
+                         "ranks: each rank reads its head, gradients summed over TP)")
+            continue
+        local = list(p.shape)
+        local[dim] //= size
+        lines.append(f"  {name} {list(p.shape)}: {plan.describe()} -> {local} per rank")
+    return "\n".join(lines)
 
 
 def _write(text: str, output: str, force: bool) -> int:

@@ -619,3 +619,61 @@ def test_lora_adapters_train_under_tp():
         assert r["lora"][0] <= 1e-5 and r["base_unchanged"] and r["lora_moved"] > 1e-3, r
         assert any("q_proj.lora_B" in k for k in r["split"]) and any("o_proj.lora_A" in k for k in r["split"]), r
         assert not any("q_proj.lora_A" in k or "o_proj.lora_B" in k for k in r["split"]), r["split"]
+
+
+# --------------------------------------------------------------------------- dropout
+def _dropout(state):
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from mixprec import Accelerator
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.drop, self.down = nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.down(self.drop(self.up(x)))
+
+    specs = {"use_default_specs": False, "layer_specs": [
+        {"patterns": [r"\.up$"], "partition_type": "column"}, {"patterns": [r"\.down$"], "partition_type": "row"}]}
+    out = {}
+    for ckpt in (False, True):
+        cfg = {"tensor_parallel": {"size": 2, "partition_config": specs}}
+        if ckpt:
+            cfg["activation_checkpointing"] = {"modules": ["Block"]}
+        acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend="ddp", config=cfg)
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), nn.Dropout(0.5))
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = {}
+        model[0].drop.register_forward_hook(lambda m, a, o: seen.update(inner=(o == 0).clone()))
+        torch.manual_seed(1 + dist.get_rank() // 2)  # the same stream on the TP ranks
+        y = model(torch.ones(4, 16))
+        y.square().sum().backward()
+        inner = [torch.empty_like(seen["inner"]) for _ in range(2)]
+        outer = [torch.empty_like(y) for _ in range(2)]
+        dist.all_gather(inner, seen["inner"].contiguous())
+        dist.all_gather(outer, y.detach().contiguous())
+        out[ckpt] = {"inner_differs": not torch.equal(inner[0], inner[1]),
+                     "outer_equal": torch.equal(outer[0], outer[1]),
+                     "outer_dropped": bool((y == 0).any()),
+                     "grad": model[0].up.weight.grad.clone()}
+        del acc, model, opt
+        gc.collect()
+    out["recompute_same"] = torch.equal(out[False]["grad"], out[True]["grad"])
+    return out
+
+
+def test_dropout_masks_shared_on_replicated_and_independent_on_split_activations():
+    """[Note: dropout under TP]: a dropout after the row layer (replicated activation) draws
+    the same mask on both TP ranks; one between column and row (split features) draws
+    independent masks; an activation-checkpointing recompute draws the same masks again."""
+    for r in run_distributed(_dropout, 2, timeout=300):
+        for ckpt in (False, True):
+            assert r[ckpt]["inner_differs"] and r[ckpt]["outer_equal"] and r[ckpt]["outer_dropped"], r[ckpt]
+        assert r["recompute_same"]

@@ -170,6 +170,7 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     layout.replaced = {id(old): (weakref.ref(old), done[id(old)][0]) for old in keep_alive if id(old) in done}
     del keep_alive
     _localise_heads(model, plans, tp, kv)
+    _install_split_rng(model, plans, tp)
     for p in model.parameters():
         if id(p) in layout.grad_allreduce_ids and p.requires_grad:
             p.register_hook(_grad_allreduce_hook(tp))
@@ -210,6 +211,54 @@ def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup, 
             heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
             if isinstance(heads, int):
                 module.num_key_value_groups = heads // tp.size  # local query heads over 1 kv head
+
+
+# [Note: dropout under TP]
+# Activations outside the split layers' parents are replicated (every TP rank computes the
+# same tensor), so a dropout on them must draw the same mask on every rank: TP ranks run on
+# one RNG stream (_sync_rng). Inside a module whose children are column-split (an attention
+# block: its heads; an MLP: its hidden features), activations are split, and a dropout there
+# must draw independent masks per rank, as one process draws different masks for different
+# heads. Such a module's forward therefore runs on its own RNG state: a seed drawn from the
+# shared stream (the same draw on every rank, so the shared stream stays in step), offset by
+# the TP rank, on a forked generator (torch.random.fork_rng: CPU and the current CUDA device),
+# the shared state restored after. The seed comes from the shared stream at each call, so an
+# activation-checkpointing recompute (which restores the shared stream) draws the same masks.
+# Only modules with an active dropout (training, a Dropout child with p > 0 or a positive
+# ``attention_dropout``) fork: the others run unchanged.
+def _install_split_rng(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup) -> None:
+    if tp.size == 1:
+        return
+    for name, module in model.named_modules():
+        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        children += [f"{c}.base_layer" for c in children]
+        if not any(plans.get(c) is not None and plans[c].style in ("column", "kv_replicated") for c in children):
+            continue
+        has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+        attn_p = module.__dict__.get("attention_dropout")
+        if not has_dropout and not (isinstance(attn_p, float) and attn_p > 0):
+            continue
+        state: dict = {}
+
+        def pre(mod, args, _state=state):
+            if not mod.training:
+                return None
+            seed = int(torch.randint(0, 2**62, (1,)).item()) + 7919 * tp.rank
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+            fork = torch.random.fork_rng(devices=devices)
+            fork.__enter__()
+            _state.setdefault("forks", []).append(fork)
+            torch.manual_seed(seed)
+            return None
+
+        def post(mod, args, output, _state=state):
+            forks = _state.get("forks")
+            if forks:
+                forks.pop().__exit__(None, None, None)
+            return None
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post, always_call=True)
 
 
 def _grad_allreduce_hook(tp: TPGroup):

@@ -94,13 +94,18 @@ def test_config_object_and_accelerator(tmp_path):
     cfg = MixprecConfig(tensor_parallel=TensorParallelOptions(size=2, preset_model="phi3"))
     r = _resolve(cfg)
     assert r.config.tensor_parallel.size == 2 and r.source("tensor_parallel.preset_model") == "config object"
-    acc = Accelerator(config={"tensor_parallel": {"size": 2}}, cpu=True, log_policy=False)
-    assert acc.config.config.tensor_parallel.size == 2
+    # One process cannot split over 2 ranks: the error names both numbers (the multi-process
+    # runs are in tests/distributed/test_tensor_parallel.py).
+    from mixprec.parallel.mesh import MeshError
+
+    with pytest.raises(MeshError, match=r"tensor_parallel.size=2 does not divide the world size 1"):
+        Accelerator(config={"tensor_parallel": {"size": 2}}, cpu=True, log_policy=False)
     f = tmp_path / "m.yaml"
-    f.write_text("tensor_parallel:\n  size: 2\n  partition_config:\n    layer_specs:\n"
+    f.write_text("tensor_parallel:\n  size: 1\n  partition_config:\n    layer_specs:\n"
                  "      - {patterns: [o_proj$], partition_type: row}\n")
     acc = Accelerator(config=str(f), cpu=True, log_policy=False)
     assert acc.config.config.tensor_parallel.partition_config.layer_specs[0].patterns == ("o_proj$",)
+    assert acc.mesh is None and acc.tp_plan == {}
 
 
 def test_env_vars_and_conflicts():

@@ -313,7 +313,7 @@ def _exports_and_errors(state, tmp):
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from mixprec import Accelerator
+    from mixprec import Accelerator, UnshardedParameterError
     from mixprec.config import ConfigError
     from mixprec.parallel.tensor import InputMismatchError, PlanError
 
@@ -323,6 +323,13 @@ def _exports_and_errors(state, tmp):
     def logits(model, ids):
         with torch.no_grad():
             return model(input_ids=ids).logits.float()
+
+    def raises(fn, exc):
+        try:
+            fn()
+        except exc as e:
+            return str(e)
+        return None
 
     ids = _global_batch(0, 1)
     # save_16bit_model under TP + zero2 (bf16) and under fsdp (bf16), then plain reloads.
@@ -337,6 +344,12 @@ def _exports_and_errors(state, tmp):
             acc.backward(model(input_ids=batch, labels=batch).loss)
             opt.step()
             opt.zero_grad()
+        q = model.model.layers[0].self_attn.q_proj.weight
+        if backend == "fsdp":  # 2-D: a split parameter is also sharded over DP between steps
+            guard = raises(lambda: q.norm(), UnshardedParameterError)
+            with acc.gathered_parameters(model):
+                inside = tuple(q.shape)  # this rank's TP slice, whole over DP
+            out["guard"] = (guard, inside)
         d = os.path.join(tmp, f"{backend}-tp{tp}")
         saved = [acc.save_16bit_model(model, d),
                  acc.save_16bit_model(model, d, "model.safetensors", exclude_frozen_parameters=True)]
@@ -367,13 +380,6 @@ def _exports_and_errors(state, tmp):
         del acc, model, opt
         gc.collect()
 
-    def raises(fn, exc):
-        try:
-            fn()
-        except exc as e:
-            return str(e)
-        return None
-
     acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, config={"tensor_parallel": {"size": 2}})
     model, _ = acc.prepare(_model("llama"), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
     out["mismatch"] = raises(lambda: model(input_ids=_global_batch(rank, 1)), InputMismatchError)
@@ -401,6 +407,8 @@ def test_exports_and_errors(tmp_path):
             assert e["saved"] == [True, True] and e["dtypes"] == {"torch.bfloat16"}, e
             assert e["keys"] and e["shapes"] and e["logits_equal"] and e["hf_logits_equal"], e
         assert "different inputs" in r["mismatch"] and "[0, 1]" in r["mismatch"], r
+        guard, inside = r["guard"]
+        assert "q_proj.weight" in guard and inside == (16, 32), r["guard"]
         assert r["tp_plan_has_replicated_norm"]
         assert "2" in r["world"] and "4" in r["world"], r["world"]
         assert "3 heads of 8" in r["heads"] and "tensor_parallel.size=2" in r["heads"], r["heads"]

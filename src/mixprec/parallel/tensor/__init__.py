@@ -28,6 +28,9 @@ def setup(comm_cls: type, state: Any, tp_size: int) -> tuple[type, Mesh]:
     """The engine class and the mesh for ``tensor_parallel.size = tp_size`` (a collective).
     Every distributed backend composes: ddp/zero1/zero2 replicate or shard the split model's
     state over the DP group, zero3/fsdp shard its units over it (the 2-D layout)."""
+    from ..mesh import check_layout
+
+    check_layout(state.world_size, tp_size)  # one process: "does not divide the world size 1"
     if not comm_cls.distributed:
         raise MeshError(f"tensor_parallel.size={tp_size} needs several processes and a distributed backend, "
                         f"got backend={comm_cls.name!r}; use ddp, zero1, zero2, zero3 or fsdp (or auto)")

@@ -240,11 +240,8 @@ def _ds_zero_key(src: str, sub: str, value: Any, block: str, r: ImportReport) ->
             r.refuse(f"{src}.device", device, f"{what} offload to {device} is not supported: mixprec keeps "
                      "them on the training device (shard them with zero2/zero3 instead)")
     elif sub == "cpu_offload":
-        if value:
-            r.refuse(src, value, "optimizer offload to cpu is not supported: mixprec keeps optimizer state "
-                     "on the training device")
-        else:
-            r.ignore(src, value, "no offload")
+        _refuse_when_on(r, src, value, "optimizer offload to cpu is not supported: mixprec keeps optimizer state "
+                        "on the training device", "no offload")
     elif sub in _ZERO_IGNORED:
         r.ignore(src, value, _ZERO_IGNORED[sub])
     else:
@@ -380,10 +377,7 @@ def _ds_tensor_parallel(value: Any, r: ImportReport) -> None:
         elif sub == "partition_config":
             _ds_partition_config(src, v, r)
         elif sub in ("replace_with_kernel_inject", "kernel_inject"):
-            if v:
-                r.refuse(src, v, "DeepSpeed's inference kernel injection is not supported; set it false")
-            else:
-                r.ignore(src, v, "off")
+            _refuse_when_on(r, src, v, "DeepSpeed's inference kernel injection is not supported; set it false", "off")
         elif sub in _DS_TP_IGNORED:
             r.ignore(src, v, _DS_TP_IGNORED[sub])
         else:
@@ -690,3 +684,11 @@ def _acc_deepspeed(src: str, sub: str, value: Any, backend: str, r: ImportReport
         r.refuse(src, value, f"import that file itself: mixprec config import {value}")
     else:
         r.refuse(src, value, "unknown deepspeed_config key, not converted; remove it")
+
+
+def _refuse_when_on(r: "ImportReport", src: str, value: Any, refused: str, ignored: str) -> None:
+    """A DeepSpeed switch mixprec has no counterpart for: refused when on, ignored when off."""
+    if value:
+        r.refuse(src, value, refused)
+    else:
+        r.ignore(src, value, ignored)

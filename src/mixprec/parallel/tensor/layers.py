@@ -100,47 +100,32 @@ def _slice_last(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return x.narrow(-1, tp.rank * k, k).contiguous()
 
 
-class _CopyTo(torch.autograd.Function):
-    @staticmethod
+def _conjugate(name: str, forward_op, backward_op) -> type:
+    """An autograd Function applying ``forward_op(x, tp)`` forward and
+    ``backward_op(grad, tp)`` backward (one row of the table above)."""
+
     def forward(ctx, x, tp):
         ctx.tp = tp
-        return x.view_as(x)
+        return forward_op(x, tp)
 
-    @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g.clone(), ctx.tp), None
+        return backward_op(g, ctx.tp), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-class _ReduceFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        return _all_reduce(x.clone(), tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+def _identity(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _GatherFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _all_gather_last(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _slice_last(g, ctx.tp), None
+def _summed(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _all_reduce(x.clone(), tp)  # all_reduce is in place: never on autograd's own tensor
 
 
-class _ScatterTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp):
-        ctx.tp = tp
-        return _slice_last(x, tp)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_last(g, ctx.tp), None
+_CopyTo = _conjugate("_CopyTo", _identity, _summed)
+_ReduceFrom = _conjugate("_ReduceFrom", _summed, _identity)
+_GatherFrom = _conjugate("_GatherFrom", _all_gather_last, _slice_last)
+_ScatterTo = _conjugate("_ScatterTo", _slice_last, _all_gather_last)
 
 
 def copy_to(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

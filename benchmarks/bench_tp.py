@@ -387,6 +387,10 @@ def _summarise(spec: dict, ranks: list[dict]) -> dict:
         if k in spec:
             res[k] = spec[k]
     if "state" in ranks[0]:
+        # Model states held between steps, counted: parameters, masters, optimizer state and,
+        # on ddp only, the gradient buckets (zero1/zero2 free theirs at zero_grad).
+        held = ["params", "masters", "optimizer"] + (["grads"] if spec["backend"] == "ddp" else [])
+        res["counted_between_steps"] = max(sum(sum(r["state"][p].values()) for p in held) for r in ranks)
         res["state_per_rank"] = [r["state"] for r in ranks]
         res["split_names"] = ranks[0]["split_names"]
         res["mesh"] = [r["mesh"] for r in ranks]
@@ -546,17 +550,25 @@ def report(res: dict) -> None:
           + (" GROUPED smoke run: contenders share processes, memory figures are not isolated." if res["grouped"] else ""))
     print("\n### Memory per rank (OS: VmRSS / VmHWM growth over the pre-model baseline, MiB, max over ranks) "
           "and step time (median of the slowest rank, ms; NOISY: shared 2-core machine, N=4 oversubscribed)\n")
-    print("| contender | N | TP x DP | dtypes | params/rank (M) | param MiB/rank | resident growth | peak growth "
-          "| baseline | step ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("Counted states: this rank's parameters, fp32 masters, optimizer state and (ddp only: zero1/2 free them "
+          "at zero_grad) gradient buckets, as held between steps; other = resident growth - counted states.\n")
+    print("| contender | N | TP x DP | dtypes | params/rank (M) | param MiB/rank | resident growth | counted states "
+          "| other | peak growth | baseline | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         dt = ("bf16 params + fp32 masters" if r.get("param_dtype") == "bf16" or r.get("ds_mode") == "bf16"
               else "fp32 params, bf16 autocast")
+        counted = r.get("counted_between_steps")
+        states = (f"{_mib(counted)} | {_mib(r['resident_growth'] - counted)}" if counted is not None
+                  else "not counted | -")
         print(f"| {name} | {r['world']} | {r['tp']} x {r['dp']} | {dt} | {r['local_params'] / 1e6:.2f} | "
-              f"{_mib(r['local_param_bytes'])} | {_mib(r['resident_growth'])} | {_mib(r['peak_growth'])} | "
-              f"{_mib(r['baseline'])} | {r['step_time']['median'] * 1e3:.0f} |")
+              f"{_mib(r['local_param_bytes'])} | {_mib(r['resident_growth'])} | {states} | "
+              f"{_mib(r['peak_growth'])} | {_mib(r['baseline'])} | {r['step_time']['median'] * 1e3:.0f} |")
     for name, why in res["skipped"].items():
-        print(f"| {name} | did not run: {why.splitlines()[-1] if why else why} | | | | | | | | |")
+        last = why.strip().splitlines()[-1] if why.strip() else why
+        print(f"| {name} | did not run: {last} | | | | | | | | | | |")
+    for name, why in res["skipped"].items():
+        print(f"\n{name} did not run; where and why:\n```\n{why.strip()}\n```")
     if res["split"]:
         print("\n### Split weights' model-state bytes per rank (counted tensors, MiB, max over ranks): TP=2 vs TP=1 "
               "at the same DP size; target 1/TP = 0.5 within 10% for params, grads and optimizer (moments + "

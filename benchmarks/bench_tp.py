@@ -65,7 +65,7 @@ Step time: median over the measured steps of the slowest rank's step, each conte
 own run (no alternation): on a shared 2-core machine these are noisy, and N=4 is
 oversubscribed (4 ranks on 2 cores).
 
-    python benchmarks/bench_tp.py --out /tmp/tp.json      # ~15 min on 2 cores
+    python benchmarks/bench_tp.py --out /tmp/tp.json            # ~10 min on 2 shared cores
     python benchmarks/bench_tp.py --quick --out /tmp/tp.json   # smoke run, tiny model
 """
 

@@ -512,6 +512,16 @@ def _guards(state):
         results.append((bool(r.stepped), r.reason, all(torch.equal(before[k], after[k]) for k in before)))
         scales.append(acc.loss_scale)
     out["fp16"] = (results, scales, acc.skipped_steps)
+    # TP traffic of one step ([Note: one copy_to per shared input]): forward, one all-reduce
+    # per row layer (o, down) and the vocab-parallel embedding's; backward, one per input
+    # that column layers share (q/k/v, gate/up) and the lm_head's; one logits all-gather.
+    from mixprec.parallel.tensor.layers import comm_counters, reset_comm_counters
+
+    reset_comm_counters()
+    ids = _global_batch(0, 1)
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.zero_grad()
+    out["comm"] = comm_counters()
     del acc, model, opt
     gc.collect()
 
@@ -558,6 +568,9 @@ def test_overflow_on_one_tp_rank_accumulation_and_checkpointing():
         assert [s[:2] for s in steps] == [(True, "ok"), (False, "overflow"), (True, "ok")], steps
         assert steps[1][2] and not steps[0][2] and not steps[2][2], steps  # only the skipped step left weights
         assert scales[1] == scales[0] / 2 and skipped == 1, (scales, skipped)
+        layers = 2
+        assert r["comm"]["all_reduce_calls"] == (2 * layers + 1) * 2, r["comm"]
+        assert r["comm"]["all_gather_calls"] == 1, r["comm"]
         # Two micro-batch gradients summed vs one backward over both, plus the TP sums: a few
         # fp32 roundings more than the parity runs (measured 2e-5 of the largest weight,
         # 1e-6 absolute against Adam steps of 1e-3).

@@ -33,6 +33,8 @@ slice (docs/tensor_parallel.md).
 from __future__ import annotations
 
 import dataclasses
+import threading
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -128,9 +130,40 @@ _GatherFrom = _conjugate("_GatherFrom", _all_gather_last, _slice_last)
 _ScatterTo = _conjugate("_ScatterTo", _slice_last, _all_gather_last)
 
 
+# [Note: one copy_to per shared input]
+# q, k and v (and gate and up) read the same input. Each column layer applying its own
+# copy_to would all-reduce that input's gradient once per layer in backward (5 per decoder
+# layer); Megatron's fused QKV and gate_up need 2. So consecutive column layers given the
+# very same tensor (same object, unchanged version, same grad mode) share one copy_to node:
+# autograd sums their gradients into it first, and it all-reduces once (the sum of the
+# all-reduces equals the all-reduce of the sum). The cache is per thread and holds the input
+# weakly; the shared output (a view of the input) is dropped when the input goes. A new
+# tensor (the next layer, a checkpoint recompute) is a new entry.
+_SHARED = threading.local()
+
+
 def copy_to(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Identity forward, gradient summed over the TP group."""
-    return _CopyTo.apply(x, tp) if tp.size > 1 else x
+    """Identity forward, gradient summed over the TP group (once per shared input:
+    [Note: one copy_to per shared input])."""
+    if tp.size == 1:
+        return x
+    key = (id(tp.group), x._version, torch.is_grad_enabled())
+    last = getattr(_SHARED, "last", None)
+    if last is not None and last[0]() is x and last[1] == key:
+        return last[2]
+    out = _CopyTo.apply(x, tp)
+    local = _SHARED
+
+    def forget(_ref, local=local):
+        # x is gone: drop the shared output with it (it views x's storage)
+        if getattr(local, "last", None) is not None and local.last[0] is _ref:
+            local.last = None
+
+    try:
+        _SHARED.last = (weakref.ref(x, forget), key, out)
+    except TypeError:  # a tensor type without weak references: no sharing
+        _SHARED.last = None
+    return out
 
 
 def reduce_from(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

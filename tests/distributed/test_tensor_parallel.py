@@ -39,6 +39,9 @@ def _model(kind: str):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    if kind == "llama_wide":  # split weights of >= 32768 elements: the bf16 weight-cast cache applies
+        return LlamaForCausalLM(LlamaConfig(**{**common, "hidden_size": 256, "intermediate_size": 512,
+                                               "num_hidden_layers": 1}, tie_word_embeddings=False))
     if kind == "llama_mqa":  # one key/value head for 2 TP ranks: kept whole, each rank reads it
         return LlamaForCausalLM(LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=False))
     return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
@@ -96,6 +99,8 @@ def _train(acc_kwargs: dict, kind: str, mp: str, tp: int) -> tuple[dict, list, d
         opt.zero_grad()
     state = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
     plan = acc.tp_plan
+    casts = acc.engine.precision.casts
+    plan["cached weight casts"] = len(casts.entries) if casts is not None else 0
     del acc, model, opt
     gc.collect()
     return state, norms, plan
@@ -145,7 +150,8 @@ def _cases(state, cases, tp):
             "shapes": all(got[k].shape == ref_state[k].shape for k in ref_state),
             "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "clipped": min(ref_norms) > MAX_NORM,
-            "split": sorted(plan),
+            "split": sorted(k for k in plan if k != "cached weight casts"),
+            "cached": plan["cached weight casts"],
         }
     return out
 
@@ -157,6 +163,7 @@ CASES_2 = {
     "qwen2-zero2-fp32": ("zero2", "qwen2", "no"),
     "llama_mqa-zero2-fp32": ("zero2", "llama_mqa", "no"),
     "llama-ddp-bf16": ("ddp", "llama", "bf16"),
+    "llama_wide-ddp-bf16": ("ddp", "llama_wide", "bf16"),
     "qwen2-zero2-bf16": ("zero2", "qwen2", "bf16"),
     # 2-D: units sharded over DP (here 1 rank), weights split over TP
     "llama-zero3-fp32": ("zero3", "llama", "no"),
@@ -181,6 +188,9 @@ def _check(results):
             assert r["clipped"], (rank, name)
             assert any(k.endswith("q_proj.weight") for k in r["split"]), (rank, name, r["split"])
             assert any(k.endswith("embed_tokens.weight") for k in r["split"]), (rank, name, r["split"])
+            # the replicated engine's bf16 weight copies serve the split Linears too
+            # (q, o, gate, up, down: 32768+ elements per rank; k and v, 2 KV heads, are below)
+            assert (r["cached"] == 5) == name.startswith("llama_wide"), (rank, name, r["cached"])
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -114,7 +114,10 @@ class WeightCasts:
         for m in model.modules():
             # A module swapped for an earlier engine (prepared again after free_memory, or
             # by another Accelerator) now answers to this one.
-            cls = type(m) if isinstance(m, _CachedCast) else _SWAPS.get(type(m))
+            # A class that reads its weight through ``_mixprec_casts`` itself (tensor-parallel
+            # split Linears, parallel/tensor/layers.py) takes the cache without a swap.
+            own = getattr(type(m), "_mixprec_reads_weight_casts", False)
+            cls = type(m) if own or isinstance(m, _CachedCast) else _SWAPS.get(type(m))
             if cls is None or id(m) in skipped:
                 continue
             w = m.weight

@@ -194,6 +194,7 @@ class TPModule:
 
         state = self.__getstate__()
         state.pop("_mixprec_tp", None)
+        state.pop("_mixprec_casts", None)
         return copyreg._reconstructor, (type(self)._mixprec_tp_original, object, None), state
 
     def extra_repr(self) -> str:
@@ -210,10 +211,20 @@ class TPState:
     out_narrow: Optional[tuple] = None  # kv-replicated: (start, length) of the output kept
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    """The weight the forward multiplies by: the update's compute-dtype copy where the
+    replicated engines keep one ([Note: the update writes the forward's weights] in
+    engines/weight_casts.py), else the parameter (autocast casts it)."""
+    casts = module.__dict__.get("_mixprec_casts")
+    return module.weight if casts is None else casts.weight(module.weight)
+
+
 class _ColumnLinear(TPModule):
+    _mixprec_reads_weight_casts = True
+
     def forward(self, x):
         st = self._mixprec_tp
-        y = F.linear(copy_to(x, st.tp), self.weight, self.bias)
+        y = F.linear(copy_to(x, st.tp), _weight(self), self.bias)
         if st.plan.style == "column_gather":
             y = gather_from(y, st.tp)
         return y
@@ -228,18 +239,22 @@ class _KVReplicatedLinear(TPModule):
     summed over TP by a hook (``grad_allreduce``), so every rank holds the whole, same
     gradient and the weight stays replicated."""
 
+    _mixprec_reads_weight_casts = True
+
     def forward(self, x):
         st = self._mixprec_tp
         start, length = st.out_narrow
-        return F.linear(copy_to(x, st.tp), self.weight, self.bias).narrow(-1, start, length)
+        return F.linear(copy_to(x, st.tp), _weight(self), self.bias).narrow(-1, start, length)
 
 
 class _RowLinear(TPModule):
+    _mixprec_reads_weight_casts = True
+
     def forward(self, x):
         st = self._mixprec_tp
         if st.plan.style == "row_split_input":
             x = scatter_to(x, st.tp)
-        y = reduce_from(F.linear(x, self.weight), st.tp)
+        y = reduce_from(F.linear(x, _weight(self)), st.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -310,6 +325,11 @@ def full_from_local(local: torch.Tensor, dim: int, tp: TPGroup, sizes: Optional[
     return torch.cat(pieces, dim=dim)
 
 
+# Column layers whose output is attention heads (their splits must follow head boundaries).
+_ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv_proj", "query_key_value",
+                          "Wqkv", "c_attn", "q_b_proj", "kv_b_proj")
+
+
 def check_divisible(plan: LayerPlan, module: nn.Module, tp: TPGroup, head_dim: Optional[int]) -> None:
     dim = plan.split_dim()
     size = module.weight.shape[dim]
@@ -318,7 +338,10 @@ def check_divisible(plan: LayerPlan, module: nn.Module, tp: TPGroup, head_dim: O
             raise PlanError(f"{plan.name}: {plan.style} split of dimension {dim} (size {s}) over tensor_parallel.size="
                             f"{tp.size} does not divide; use a TP size that divides {s}, or give this module "
                             "partition_type: skip")
-        if head_dim and plan.style in ("column", "column_gather") and s % head_dim == 0 and (s // head_dim) % tp.size:
+        attention = plan.name.rpartition(".")[2] in _ATTENTION_PROJECTIONS or (
+            plan.name.endswith(".base_layer") and plan.name.rsplit(".", 2)[-2] in _ATTENTION_PROJECTIONS)
+        if attention and head_dim and plan.style in ("column", "column_gather") and s % head_dim == 0 \
+                and (s // head_dim) % tp.size:
             raise PlanError(f"{plan.name}: {s // head_dim} heads of {head_dim} do not divide over "
                             f"tensor_parallel.size={tp.size} (shards follow head boundaries); use a TP size "
                             f"that divides {s // head_dim}")

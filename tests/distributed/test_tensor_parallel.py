@@ -130,10 +130,26 @@ def _excess(got, ref, fp32_ref) -> float:
     return _rel_norm(got, ref) / max(2e-2, 1.5 * _rel_norm(ref, fp32_ref))
 
 
+def _loader_batches(tp):
+    """The first batches a prepared DataLoader gives this rank under TP, gathered from all."""
+    import torch
+    import torch.distributed as dist
+
+    from mixprec import Accelerator
+
+    acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, config={"tensor_parallel": {"size": tp}})
+    data = torch.utils.data.TensorDataset(torch.arange(64))
+    loader = acc.prepare(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
+    mine = torch.cat([b for (b,), _ in zip(loader, range(3))])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [e.tolist() for e in everyone], acc.mesh.dp_size
+
+
 def _cases(state, cases, tp):
     import torch.distributed as dist
 
-    out = {}
+    out = {"loader": _loader_batches(tp)}
     dp = dist.get_world_size() // tp
     refs, fp32_refs = {}, {}
     for name, (backend, kind, mp) in cases.items():
@@ -179,8 +195,15 @@ CASES_4 = {
 
 
 def _check(results):
+    batches, dp = results[0]["loader"]
+    for rank, b in enumerate(batches):  # the TP ranks of one group read the same batches
+        assert b == batches[rank - rank % 2], (rank, batches)
+    if dp > 1:  # ... and the data-parallel ranks different ones, together the whole shuffled data
+        assert not set(batches[0]) & set(batches[2]) and len(set(batches[0] + batches[2])) == 12, batches
     for rank, out in enumerate(results):
         for name, r in out.items():
+            if name == "loader":
+                continue
             bound = 2e-2 if name.endswith("bf16") else 1e-5
             assert r["shapes"], (rank, name)
             assert r["worst"][0] <= 1.0, (rank, name, r["worst"])

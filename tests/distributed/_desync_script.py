@@ -19,8 +19,12 @@ case, timeout = sys.argv[1], float(sys.argv[2])
 backend = {"state_dict": "zero2", "clip": "zero3"}.get(case, "ddp")
 # stuck_gloo: the process group's own timeout is the short one (desync detection at 60 s).
 short_pg = case == "stuck_gloo"
+config = {"collective_timeout": 60 if short_pg else timeout}
+if case == "tp_clip":  # tensor parallelism: the first Linear column-split, the last row-split
+    config["tensor_parallel"] = {"size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
+        {"patterns": ["^0$"], "partition_type": "column"}, {"patterns": ["^2$"], "partition_type": "row"}]}}
 acc = Accelerator(cpu=True, log_policy=False, backend=backend,
-                  config={"collective_timeout": 60 if short_pg else timeout},
+                  config=config,
                   even_batches=False if case.startswith("uneven") else None,
                   timeout=datetime.timedelta(seconds=timeout if short_pg else 1800))
 rank = acc.process_index
@@ -59,7 +63,7 @@ try:
         if rank == 0:
             acc.wait_for_everyone()  # MARK:wait
         step()
-    elif case == "clip":
+    elif case in ("clip", "tp_clip"):
         acc.backward(model(torch.randn(4, 8)).pow(2).mean())
         if rank == 0:
             acc.clip_grad_norm_(model.parameters(), 1.0)  # MARK:clip

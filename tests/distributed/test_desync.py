@@ -109,6 +109,15 @@ def test_clip_grad_norm_on_one_rank_zero3(tmp_path):
     print(f"\n[clip zero3] both ranks gone {elapsed:.1f} s after the fault")
 
 
+def test_clip_grad_norm_on_one_rank_under_tensor_parallelism(tmp_path):
+    """TP=2 (ddp over DP=1): rank 0's clip waits in the TP group's norm all-reduce, rank 1 in
+    the step's world-wide found_inf agreement; the watchdog names both calls and lines."""
+    results, elapsed = _run(tmp_path, "tp_clip")
+    _assert_report(results, [f"rank 0: in clip_grad_norm_() at {_line('clip')}",
+                             f"rank 1: in optimizer.step() at {_line('clip_step')}"], "[1]")
+    print(f"\n[clip tp] both ranks gone {elapsed:.1f} s after the fault")
+
+
 def test_different_calls_at_the_same_point_raise_at_once(tmp_path):
     results, elapsed = _run(tmp_path, "different")
     for code, out in results:

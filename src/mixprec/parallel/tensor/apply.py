@@ -180,6 +180,19 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     return layout
 
 
+def _column_parents(model: nn.Module, plans: dict[str, LayerPlan], styles: tuple) -> list[nn.Module]:
+    """Modules with a child Linear (directly, or as a peft LoRA layer's base) split in one of
+    ``styles``: with ``("column",)``, the attention and MLP blocks, whose activations between
+    their layers are split (a gathered column output, an lm_head's, is whole again)."""
+    out = []
+    for name, module in model.named_modules():
+        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        children += [f"{c}.base_layer" for c in children]
+        if any(plans.get(c) is not None and plans[c].style in styles for c in children):
+            out.append(module)
+    return out
+
+
 def _kv_replicated(name: str, plan: LayerPlan, kv: Optional[int], tp: TPGroup) -> bool:
     """A key/value projection whose heads are fewer than the TP ranks ([Note: KV heads fewer
     than TP ranks] in parallel/tensor/layers.py)."""
@@ -193,11 +206,7 @@ def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup, 
     """A module with a column-split child Linear sees its local head counts; with key/value
     heads fewer than TP ranks, one local key/value head (its query heads' groups adjusted)."""
     kv_whole = bool(kv) and tp.size > kv
-    for name, module in model.named_modules():
-        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
-        children += [f"{c}.base_layer" for c in children]  # a peft LoRA layer's Linear
-        if not any(plans.get(c) is not None and plans[c].style.startswith("column") for c in children):
-            continue
+    for module in _column_parents(model, plans, ("column", "column_gather")):
         for attr in _HEAD_ATTRS:
             v = module.__dict__.get(attr)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -229,11 +238,7 @@ def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup, 
 def _install_split_rng(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup) -> None:
     if tp.size == 1:
         return
-    for name, module in model.named_modules():
-        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
-        children += [f"{c}.base_layer" for c in children]
-        if not any(plans.get(c) is not None and plans[c].style in ("column", "kv_replicated") for c in children):
-            continue
+    for module in _column_parents(model, plans, ("column",)):
         has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
         attn_p = module.__dict__.get("attention_dropout")
         if not has_dropout and not (isinstance(attn_p, float) and attn_p > 0):

@@ -323,6 +323,10 @@ class Accelerator(AccelerateApi):
         self._trigger = False  # set_trigger / check_trigger
         # Collective desync detection ([Note: desync detection] in distributed/watchdog.py).
         self._watchdog = desync.Watchdog.create(self.state, cfg.collective_timeout)
+        if self._watchdog is not None:
+            # A dropped Accelerator must not leave its thread polling the store for the
+            # life of the process (a script or a test that builds several in turn).
+            weakref.finalize(self, self._watchdog.abandon)
 
     def _renew_engine(self) -> None:
         """free_memory(): a fresh engine of the same kind, the old one's buffers released."""

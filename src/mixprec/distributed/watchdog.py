@@ -222,6 +222,15 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * POLL_S + 1)
 
+    def abandon(self) -> None:
+        """Its Accelerator was garbage-collected without end_training(): the thread stops at
+        its next poll. Nothing is joined or published (this runs as a finalizer, wherever the
+        collection happens); a later Accelerator has its own watchdog under its own prefix."""
+        self._stop.set()
+        if _ACTIVE[0] is self:
+            _ACTIVE[0] = None
+        atexit.unregister(self._at_exit)
+
     def _at_exit(self) -> None:
         if not self._stop.is_set():
             self._publish_exit("exited")

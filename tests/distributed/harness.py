@@ -21,7 +21,8 @@ without end_training] in src/mixprec/accelerator.py), the process group is destr
 per-process counters are reset (src/mixprec/distributed/watchdog.py, src/mixprec/accelerator.py),
 and torch/random/numpy RNG states, default dtype, grad mode, autocast, deterministic mode,
 matmul precision, thread count, warnings filters, logging, signal handlers and environment are
-put back to what they were when the worker started. It then says whether it is clean; a
+put back to what they were when the worker started (tqdm's monitor thread is stopped; an
+Accelerator the call dropped stopped its watchdog thread when it was collected). It then says whether it is clean; a
 worker that cannot say so (a thread the call started still runs, teardown failed, or no
 answer within ``_READY_TIMEOUT_S``) is replaced with its whole pool before the next call.
 
@@ -323,6 +324,13 @@ class _Saved:
                 signal.signal(getattr(signal, name), handler)
         if hasattr(signal, "alarm"):
             signal.alarm(0)
+        if "tqdm" in sys.modules:
+            # tqdm's monitor thread (started by the first bar, lives for the process) is
+            # stopped as a process exit would: the next bar starts a new one.
+            bar_cls = sys.modules["tqdm"].tqdm
+            if bar_cls.monitor is not None:
+                bar_cls.monitor.exit()
+                bar_cls.monitor = None
         deadline = time.monotonic() + 2.0
         for t in set(threading.enumerate()) - self.threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port
+from harness import free_port, run_distributed
 
 SCRIPT = Path(__file__).with_name("_desync_script.py")
 TIMEOUT_S = 3  # collective_timeout of the cases
@@ -205,6 +205,37 @@ def test_join_uneven_inputs_names_the_workaround():
     acc = Accelerator(cpu=True, log_policy=False)
     with pytest.raises(NotImplementedError, match="even_batches=True .* drop_last=True"):
         acc.join_uneven_inputs([])
+
+
+def _drop_an_accelerator(state):
+    import gc
+    import threading
+
+    from mixprec import Accelerator
+
+    acc = Accelerator(backend="ddp", cpu=True, log_policy=False)
+    acc.prepare(torch_linear())
+    thread = acc._watchdog._thread
+    alive_before = thread.is_alive()
+    del acc
+    gc.collect()
+    thread.join(2.0)  # it stops at its next poll (0.25 s)
+    names = [t.name for t in threading.enumerate()]
+    return alive_before, thread.is_alive(), names
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(4, 4)
+
+
+def test_a_dropped_accelerator_stops_its_watchdog_thread():
+    """An Accelerator collected without end_training() (a script or test that builds several
+    in turn) stops its thread, while the process group it watched is still up."""
+    for alive_before, alive_after, names in run_distributed(_drop_an_accelerator, 2):
+        assert alive_before and not alive_after, names
+        assert "mixprec-desync-watchdog" not in names, names
 
 
 def test_collective_timeout_is_validated_and_can_be_turned_off():

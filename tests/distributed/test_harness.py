@@ -71,7 +71,11 @@ def _leave_a_mess(state, with_accelerator):
         from mixprec import Accelerator
 
         acc = Accelerator(backend="ddp", cpu=True, log_policy=False)
-        _KEPT.append((acc, acc.prepare(torch.nn.Linear(4, 4))))
+        model = acc.prepare(torch.nn.Linear(4, 4))
+        if with_accelerator == "kept":
+            _KEPT.append((acc, model))
+        # "dropped": collected when the call returns, its watchdog thread with it (a thread
+        # left running would make the worker dirty and its pool be replaced)
     os.environ["MIXPREC_TEST_LEAK"] = "1"
     os.environ["WORLD_SIZE"] = "7"
     torch.set_default_dtype(torch.float64)
@@ -96,7 +100,7 @@ def test_warm_ranks_start_each_call_as_fresh_ones():
     fresh = [r[:-2] for r in run_distributed(_look, 2, fresh=True)]
     before = run_distributed(_look, 2)
     assert [r[:-2] for r in before] == fresh
-    for with_accelerator in (False, True):
+    for with_accelerator in (False, "kept", "dropped"):
         pids = run_distributed(_leave_a_mess, 2, args=(with_accelerator,))
         assert [r[-1] for r in before] == pids  # the same (warm) processes
         # ... and the same state, random generators included (put back, not reseeded).

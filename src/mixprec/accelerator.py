@@ -542,8 +542,8 @@ class Accelerator(AccelerateApi):
         ``labels`` so HF models compute their loss) and ``num_items_in_batch``, the loss
         normaliser that makes the engine's average the exact whole-sequence loss
         ([Note: the sequence-parallel loss] in parallel/sequence/inputs.py). A padding
-        ``attention_mask`` is sliced and kept for the whole-sequence attention mask; an
-        all-ones one is dropped. Without sequence parallelism: the whole sequence, same keys.
+        ``attention_mask`` is not handed to the model: the attention applies the whole
+        sequence's causal-and-padding mask itself (an all-ones mask is dropped). Without sequence parallelism: the whole sequence, same keys.
         Every rank of an SP group must pass the same whole batch (a prepared DataLoader
         gives it).
 

@@ -204,3 +204,220 @@ def test_sp2_matches_one_process(world):
     pytest.importorskip("transformers")
     results = run_distributed(_cases, world, args=(CASES_2 if world == 2 else CASES_4,), timeout=900)
     _check(results)
+
+
+# --------------------------------------------- guards, checkpoints, masks, errors, compile
+def _sdpa_net(heads: int = 4, kv_heads: int = 4, d: int = 8):
+    """A plain PyTorch causal attention block calling F.scaled_dot_product_attention."""
+    import torch
+    import torch.nn.functional as F
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, heads * d)
+            self.q = torch.nn.Linear(heads * d, heads * d)
+            self.kv = torch.nn.Linear(heads * d, 2 * kv_heads * d)
+            self.out = torch.nn.Linear(heads * d, 32)
+
+        def forward(self, input_ids, position_ids=None):
+            x = self.emb(input_ids) + 0.01 * position_ids.unsqueeze(-1).float()
+            b, s, _ = x.shape
+            q = self.q(x).view(b, s, heads, d).transpose(1, 2)
+            k, v = self.kv(x).view(b, s, 2, kv_heads, d).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+            return self.out(a.transpose(1, 2).reshape(b, s, heads * d) + x)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _grads_vs_reference(acc, make, ids, labels, attention_mask=None, own_loss=False):
+    """(loss, worst relative gradient error) of one SP backward against one process."""
+    import torch
+
+    ref = make()
+    if own_loss:
+        from mixprec.parallel.sequence import prepare_inputs, token_loss
+
+        whole = prepare_inputs(None, ids, labels)
+        ref_loss = token_loss(ref(input_ids=whole["input_ids"], position_ids=whole["position_ids"]), whole)
+    else:
+        ref_loss = ref(input_ids=ids, labels=labels, attention_mask=attention_mask).loss
+    ref_loss.backward()
+    model = acc.prepare(make())
+    batch = acc.prepare_sp_inputs(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    if own_loss:
+        loss = acc.sp_loss(model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]), batch)
+    else:
+        loss = model(**batch).loss
+    acc.backward(loss)
+    ref_grads = dict(ref.named_parameters())
+    worst = max(_rel(p.grad, ref_grads[n].grad) for n, p in model.named_parameters())
+    logged = acc.reduce(loss.detach(), "mean").item()
+    return abs(logged - ref_loss.item()) / ref_loss.item(), worst
+
+
+def _errors(acc):
+    import torch
+    import torch.nn.functional as F
+
+    from mixprec.parallel.mesh import MeshError
+    from mixprec.parallel.sequence import UnsupportedAttentionError
+
+    out = {}
+
+    def message(fn, exc):
+        try:
+            fn()
+        except exc as e:
+            return str(e)
+        return None
+
+    ids = torch.zeros(1, 511, dtype=torch.long)
+    out["length"] = message(lambda: acc.prepare_sp_inputs(input_ids=ids, labels=ids), MeshError)
+    three = acc.prepare(_sdpa_net(heads=3))
+    b = acc.prepare_sp_inputs(input_ids=torch.zeros(1, 8, dtype=torch.long))
+    out["heads"] = message(lambda: three(**b), MeshError)
+    out["eager"] = message(lambda: acc.prepare(_model("eager")), UnsupportedAttentionError)
+
+    class Scores(torch.nn.Module):  # a hand-written attention in a module not named like one
+        def forward(self, x):
+            return torch.softmax(x @ x.transpose(-1, -2), dim=-1) @ x
+
+    class HandWritten(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 8)
+            self.mix = Scores()
+
+        def forward(self, input_ids, position_ids=None):
+            return self.mix(self.emb(input_ids))
+
+    class SigmoidAttention(torch.nn.Module):
+        def forward(self, x):
+            return torch.sigmoid(x @ x.transpose(-1, -2)) @ x
+
+    class Other(HandWritten):
+        def __init__(self):
+            super().__init__()
+            self.mix = SigmoidAttention()
+
+    hand = acc.prepare(HandWritten())
+    out["softmax"] = message(lambda: hand(**b), UnsupportedAttentionError)
+    other = acc.prepare(Other())
+    out["silent"] = message(lambda: other(**b), UnsupportedAttentionError)
+    out["silent_again"] = message(lambda: other(**b), UnsupportedAttentionError)  # still refused
+    whole = torch.arange(16).view(2, 8)
+    out["alias"] = all(torch.equal(v, acc.prepare_autosp_inputs(whole, whole, None, None, 1)[k])
+                       for k, v in acc.prepare_sp_inputs(input_ids=whole, labels=whole).items())
+    return out
+
+
+def _guards(state, save_dir):
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from mixprec import Accelerator
+
+    rank = dist.get_rank()
+    sp = {"sequence_parallel": {"size": 2}}
+    out = {}
+    # fp16: an inf in rank 1's gradient only skips the step on both ranks, halves both scales.
+    acc = Accelerator(mixed_precision="fp16", cpu=True, log_policy=False, backend="zero2", config=sp)
+    model = _model()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    poison = {"on": False}
+    model.model.layers[0].self_attn.q_proj.weight.register_hook(
+        lambda g: g.fill_(float("inf")) if poison["on"] and rank == 1 else g)
+    steps, scales = [], []
+    for step in range(3):
+        poison["on"] = step == 1
+        before = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+        ids, labels = _global_batch(step, 1)
+        acc.backward(model(**acc.prepare_sp_inputs(input_ids=ids, labels=labels)).loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        r = opt.step()
+        opt.zero_grad()
+        after = acc.get_state_dict(model)
+        steps.append((bool(r.stepped), r.reason, all(torch.equal(before[k], after[k]) for k in before)))
+        scales.append(acc.loss_scale)
+    out["fp16"] = (steps, scales, acc.skipped_steps)
+    del acc, model, opt
+    gc.collect()
+
+    # Checkpoint round trip (zero3, sharded over both SP ranks): resume == uninterrupted.
+    def run(load, save):
+        acc = Accelerator(cpu=True, log_policy=False, backend="zero3", config=sp)
+        model = _model()
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        if load:
+            acc.load_state(save_dir)
+        for step in range(2, 4) if load else range(4):
+            ids, labels = _global_batch(step, 2)
+            acc.backward(model(**acc.prepare_sp_inputs(input_ids=ids, labels=labels)).loss)
+            acc.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+            if save and step == 1:
+                acc.save_state(save_dir)
+        return {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+
+    straight = run(False, True)
+    resumed = run(True, False)
+    out["resume"] = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    gc.collect()
+
+    acc = Accelerator(cpu=True, log_policy=False, backend="ddp", config=sp)
+    ids, labels = _global_batch(7, 2)
+    # A plain PyTorch module and the user's own loss (accelerator.sp_loss).
+    out["plain"] = _grads_vs_reference(acc, _sdpa_net, ids % 32, labels.clamp(max=31), own_loss=True)
+    # GQA with one key/value head for 2 SP ranks: the head is repeated.
+    out["mqa"] = _grads_vs_reference(acc, lambda: _sdpa_net(kv_heads=1), ids % 32, labels.clamp(max=31),
+                                     own_loss=True)
+    # Right padding: the whole sequence's causal-and-padding mask.
+    mask = torch.ones_like(ids)
+    mask[0, SEQ - 100:] = 0
+    padded = labels.masked_fill(mask == 0, -100)
+    out["padding"] = _grads_vs_reference(acc, _model, ids, padded, attention_mask=mask)
+    # torch.compile of the prepared model: the same loss (Dynamo traces through the mode).
+    model = acc.prepare(_model())
+    batch = acc.prepare_sp_inputs(input_ids=ids, labels=labels)
+    eager = model(**batch).loss.item()
+    compiled = torch.compile(model, backend="eager")(**batch).loss.item()
+    out["compile"] = (eager, compiled)
+    out["errors"] = _errors(acc)
+    return out
+
+
+def test_sp_overflow_checkpoint_masks_errors_and_compile(tmp_path):
+    """Under SP=2: fp16 found_inf agreed (an inf on one rank skips the step on both); a
+    zero3 checkpoint resumes bit for bit; a plain PyTorch SDPA module with the user's own
+    loss (``sp_loss``), GQA with fewer key/value heads than ranks, and an HF model with a
+    padding mask give one process's gradients (1e-5 relative, fp32); layouts that do not
+    divide and attention without SDPA are refused naming the numbers / the module;
+    ``torch.compile`` gives the eager loss."""
+    pytest.importorskip("transformers")
+    results = run_distributed(_guards, 2, args=(str(tmp_path / "ckpt"),), timeout=600)
+    for r in results:
+        steps, scales, skipped = r["fp16"]
+        assert [s[:2] for s in steps] == [(True, "ok"), (False, "overflow"), (True, "ok")], steps
+        assert steps[1][2] and not steps[0][2] and not steps[2][2], steps
+        assert scales[1] == scales[0] / 2 and skipped == 1, (scales, skipped)
+        assert r["resume"]
+        for case in ("plain", "mqa", "padding"):
+            loss_err, grad_err = r[case]
+            assert loss_err <= 1e-6 and grad_err <= 1e-5, (case, r[case])
+        eager, compiled = r["compile"]
+        assert abs(eager - compiled) <= 1e-6 * abs(eager), r["compile"]
+        e = r["errors"]
+        assert "sequence length 511 (input_ids dim 1, shape (1, 511)) is not divisible by sequence_parallel.size=2" \
+            in e["length"] and "e.g. 512" in e["length"], e["length"]
+        assert "attention with 3 query heads cannot be split over sequence_parallel.size=2" in e["heads"], e["heads"]
+        assert "attn_implementation='eager'" in e["eager"] and "LlamaForCausalLM" in e["eager"], e["eager"]
+        assert "module 'mix' (Scores) computes a softmax over a [4, 4] score matrix" in e["softmax"], e["softmax"]
+        assert "module 'mix' (SigmoidAttention) ran attention without" in e["silent"], e["silent"]
+        assert e["silent_again"] is not None and e["alias"]
+    assert results[0]["fp16"][1] == results[1]["fp16"][1]

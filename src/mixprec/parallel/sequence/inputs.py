@@ -62,8 +62,9 @@ def split_batch(input_ids: torch.Tensor, labels: Optional[torch.Tensor], positio
     The kwargs: ``input_ids``, ``position_ids`` (this slice's positions in the whole
     sequence), and with ``labels``: ``shift_labels`` and ``labels`` (the same shifted slice:
     HF models compute their loss only when ``labels`` is given, and read ``shift_labels``
-    first), ``num_items_in_batch`` ([Note: the sequence-parallel loss]); with a padding
-    ``attention_mask``: its slice (an all-ones mask is dropped, so attention runs causal)."""
+    first), ``num_items_in_batch`` ([Note: the sequence-parallel loss]). A padding
+    ``attention_mask`` is returned whole, apart from the kwargs, for the attention (with
+    ``size`` 1 it is a kwarg as usual)."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a tensor, got {type(input_ids).__name__}")
     if not isinstance(seq_dim, int) or not 0 <= seq_dim < input_ids.dim():
@@ -85,10 +86,15 @@ def split_batch(input_ids: torch.Tensor, labels: Optional[torch.Tensor], positio
         position_ids = torch.arange(length, device=input_ids.device).view(view).expand(input_ids.shape)
     out = {"input_ids": _slice(input_ids, seq_dim, rank, size),
            "position_ids": _slice(position_ids, seq_dim, rank, size)}
+    # The padding mask is not handed to the model: a model builds its mask from the local
+    # length (and HF drops an all-ones slice, switching its GQA path on some ranks only);
+    # Ulysses applies the whole one ([Note: Ulysses around SDPA] in ulysses.py).
     whole_mask = None
     if attention_mask is not None and not bool(attention_mask.bool().all()):
-        whole_mask = attention_mask.bool()
-        out["attention_mask"] = _slice(attention_mask, seq_dim, rank, size)
+        if size == 1:  # one process: the model applies it as usual
+            out["attention_mask"] = attention_mask
+        else:
+            whole_mask = attention_mask.bool()
     if labels is not None:
         shifted = shift_labels(labels, seq_dim)
         valid = int((shifted != IGNORE_INDEX).sum())

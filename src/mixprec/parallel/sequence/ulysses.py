@@ -9,12 +9,27 @@ in wrappers/model.py) sees every call of ``torch.nn.functional.scaled_dot_produc
 (HF's "sdpa" attention and plain PyTorch modules alike) and runs it as:
 
 1. q/k/v ``[B, H, S/P, D] -> [B, H/P, S, D]``: one ``all_to_all_single`` on the SP group each
-   (works on Gloo), as an autograd Function whose backward is the inverse all-to-all;
+   (works on Gloo; the functional collective with autograd, whose backward exchanges the
+   gradient back, and which Dynamo traces into the graph);
 2. SDPA over the whole sequence: ``is_causal`` as given (the causal pattern of the whole
-   sequence, since the slices are its consecutive parts), or, when the model built a mask
-   from a padding ``attention_mask`` (HF does so from the *local* length), the whole
-   sequence's causal-and-padding mask from the mask ``prepare_sp_inputs`` was given;
+   sequence, since the slices are its consecutive parts). When ``prepare_sp_inputs`` was
+   given a padding ``attention_mask``, it keeps it whole and hands the model none (a mask
+   the model builds from the *local* length is wrong for the whole sequence, and HF picks
+   its GQA path by whether a mask exists, which would differ between the ranks and so the
+   all-to-all sizes): the whole sequence's causal-and-padding mask (or padding-only for
+   ``is_causal=False``) is applied here. A mask the model passes itself is accepted only
+   when causal and is then replaced by that whole one;
 3. the output ``[B, H/P, S, D] -> [B, H, S/P, D]`` by the inverse all-to-all.
+
+[Note: Ulysses under torch.compile]
+Dynamo traces through the mode's handler, so a compiled forward holds the all-to-alls and
+the whole-sequence SDPA in its graph. With a backend that runs the graph as torch-level calls
+(``backend="eager"``, and the code between graph breaks, e.g. the ddp engine's buffer
+broadcast before forward), those calls happen while the mode is still active: an inner call
+of ``F.scaled_dot_product_attention`` would be taken for the model's own and exchanged a
+second time (wrong values, no error; found by the compiled-forward test). The inner call is
+therefore the aten op ``aten.scaled_dot_product_attention``, which the handler passes
+through; aot/inductor backends see aten ops in any case.
 
 GQA: key/value heads are split like query heads when the SP size divides their count; with
 fewer (or a count P does not divide) each is repeated to ``lcm(KVH, P)`` heads first
@@ -35,7 +50,7 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -54,46 +69,39 @@ def _all_to_all(x: torch.Tensor, group: Any, size: int, to_heads: bool) -> torch
         send = x.reshape(b, size, h // size, s, d).transpose(0, 1).contiguous()  # [P, B, H/P, s, D]
     else:
         send = x.reshape(b, h, size, s // size, d).permute(2, 0, 1, 3, 4).contiguous()  # [P, B, h, S/P, D]
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[i]: what rank i sent this rank
+    # recv[i]: what rank i sent this rank; the backward is the same exchange of the gradient
+    recv = funcol.wait_tensor(funcol.all_to_all_single_autograd(send, None, None, group))
     if to_heads:  # recv[i]: slice i of this rank's heads
         return recv.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
     return recv.transpose(0, 1).reshape(b, size * h, s // size, d)  # recv[i]: head group i
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, to_heads):
-        ctx.group, ctx.size, ctx.to_heads = group, size, to_heads
-        return _all_to_all(x, group, size, to_heads)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad.contiguous(), ctx.group, ctx.size, not ctx.to_heads), None, None, None
-
-
-def _whole_mask(local: torch.Tensor, whole_padding: Optional[torch.Tensor], length: int, batch: int) -> torch.Tensor:
-    """The whole sequence's causal-and-padding mask for the local one the model built."""
-    if whole_padding is None or local.dtype != torch.bool:
-        raise UnsupportedAttentionError(
-            f"scaled_dot_product_attention got an attn_mask ({local.dtype}, shape {tuple(local.shape)}) under "
-            "sequence parallelism: only causal attention is supported, given by is_causal or by a boolean "
-            "causal mask the model builds from a padding attention_mask passed to prepare_sp_inputs")
-    s = local.shape[-1]
-    if bool(torch.triu(torch.ones(s, s, dtype=torch.bool, device=local.device), 1).logical_and(local).any()):
-        raise UnsupportedAttentionError(
-            "scaled_dot_product_attention got a non-causal attn_mask under sequence parallelism: a mask is "
-            "rebuilt for the whole sequence only when it is causal (from a padding attention_mask)")
+def _whole_mask(local: Optional[torch.Tensor], is_causal: bool, whole_padding: Optional[torch.Tensor],
+                length: int, batch: int, device: torch.device) -> tuple[Optional[torch.Tensor], bool]:
+    """(the whole sequence's mask: causal or not, and padding; is_causal): the mask is None
+    where ``is_causal`` says it all."""
+    if local is not None:
+        s = local.shape[-1]
+        if local.dtype != torch.bool or bool(
+                torch.triu(torch.ones(s, s, dtype=torch.bool, device=local.device), 1).logical_and(local).any()):
+            raise UnsupportedAttentionError(
+                f"scaled_dot_product_attention got an attn_mask ({local.dtype}, shape {tuple(local.shape)}) that is "
+                "not a boolean causal mask, under sequence parallelism: only causal or full attention over the "
+                "whole sequence is supported (is_causal, plus the padding attention_mask given to "
+                "prepare_sp_inputs)")
+        is_causal = True
+    if whole_padding is None:
+        return None, is_causal
     if tuple(whole_padding.shape) != (batch, length):
         raise ValueError(f"the attention_mask given to prepare_sp_inputs has shape {tuple(whole_padding.shape)}, "
                          f"this forward's whole sequence is ({batch}, {length}): call prepare_sp_inputs for "
                          "each batch before its forward")
-    pad = whole_padding.to(local.device)
-    causal = torch.ones(length, length, dtype=torch.bool, device=local.device).tril()
-    mask = causal[None, None] & pad[:, None, None, :]
+    mask = whole_padding.to(device)[:, None, None, :].expand(batch, 1, length, length)
+    if is_causal:
+        mask = mask & torch.ones(length, length, dtype=torch.bool, device=device).tril()
     # A query that sees no key (left padding) attends to itself: SDPA would return nan there.
     alone = ~mask.any(-1, keepdim=True)
-    return mask | (alone & torch.eye(length, dtype=torch.bool, device=local.device))
+    return mask | (alone & torch.eye(length, dtype=torch.bool, device=device)), False
 
 
 class Ulysses:
@@ -131,17 +139,18 @@ class Ulysses:
                     f"use a sequence_parallel.size that divides {kv_heads}")
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         length = query.shape[-2] * p
-        if attn_mask is not None:
-            attn_mask = _whole_mask(attn_mask, self.whole_padding, length, query.shape[0])
-        q, k, v = (_AllToAll.apply(t, self.group, p, True) for t in (query, key, value))
-        kwargs = {"enable_gqa": True} if enable_gqa else {}
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                             is_causal=is_causal, scale=scale, **kwargs)
+        if attn_mask is not None or self.whole_padding is not None:
+            attn_mask, is_causal = _whole_mask(attn_mask, is_causal, self.whole_padding, length, query.shape[0],
+                                               query.device)
+        q, k, v = (_all_to_all(t, self.group, p, True) for t in (query, key, value))
+        # The aten op, not F.scaled_dot_product_attention: [Note: Ulysses under torch.compile].
+        out = _ATEN_SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=bool(enable_gqa))
         self.calls += 1
-        return _AllToAll.apply(out, self.group, p, False)
+        return _all_to_all(out, self.group, p, False)
 
 
 _SDPA = F.scaled_dot_product_attention
+_ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax}
 
 

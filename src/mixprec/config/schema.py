@@ -215,6 +215,12 @@ class ActivationCheckpointingOptions:
     """zero3/fsdp only: checkpoint every sharding unit below the root (the modules
     ``zero3.units`` / ``fsdp.units`` choose), like Accelerate's
     ``fsdp_activation_checkpointing``."""
+    selective: bool = False
+    """Selective checkpointing (AutoSP's): in the chosen modules keep the outputs of the
+    attention kernels (``scaled_dot_product_attention``) and of sequence parallelism's
+    all-to-alls, and recompute everything else (the matmuls, norms, activations) in
+    backward. false: recompute the whole module. Not implemented yet: true raises
+    NotImplementedError at ``prepare()`` (docs/sequence_parallel.md, Limits)."""
 
 
 @dataclass(frozen=True, kw_only=True)

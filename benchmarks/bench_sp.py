@@ -50,7 +50,7 @@ import torch  # noqa: E402
 
 from _memprobe import peak_bytes, reset_peak, rss_bytes  # noqa: E402
 
-MMAP_THRESHOLD = "65536"
+from bench_memory import MMAP_THRESHOLD  # noqa: E402
 MIB = 2 ** 20
 
 
@@ -179,18 +179,13 @@ def _stats(samples: list) -> dict:
 def measure_memory(sps: list, lengths: list, cap_mib: float, start: int, max_seq: int) -> dict:
     from mixprec.distributed.spawn import run_distributed
 
+    from bench_memory import mmap_threshold_env
+
     out = {}
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by the spawned ranks
-    try:
+    with mmap_threshold_env():  # inherited by the spawned ranks
         for sp in sps:
             out[sp] = run_distributed(_memory_rank, sp, args=(sp, lengths, cap_mib, start, max_seq),
                                       timeout=3600)[0]
-    finally:
-        if previous is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
     return out
 
 

@@ -22,7 +22,7 @@ One pass of the ranks per world size runs every parity case ([Note: warm ranks] 
 import pytest
 
 from harness import run_distributed
-from test_tensor_parallel import _excess, _rel
+from test_tensor_parallel import _excess, _rel, overflow_steps
 
 STEPS = 4
 SEQ = 512
@@ -332,19 +332,12 @@ def _guards(state, save_dir):
     poison = {"on": False}
     model.model.layers[0].self_attn.q_proj.weight.register_hook(
         lambda g: g.fill_(float("inf")) if poison["on"] and rank == 1 else g)
-    steps, scales = [], []
-    for step in range(3):
-        poison["on"] = step == 1
-        before = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+
+    def loss_of(step):
         ids, labels = _global_batch(step, 1)
-        acc.backward(model(**acc.prepare_sp_inputs(input_ids=ids, labels=labels)).loss)
-        acc.clip_grad_norm_(model.parameters(), 1.0)
-        r = opt.step()
-        opt.zero_grad()
-        after = acc.get_state_dict(model)
-        steps.append((bool(r.stepped), r.reason, all(torch.equal(before[k], after[k]) for k in before)))
-        scales.append(acc.loss_scale)
-    out["fp16"] = (steps, scales, acc.skipped_steps)
+        return model(**acc.prepare_sp_inputs(input_ids=ids, labels=labels)).loss
+
+    out["fp16"] = overflow_steps(acc, model, opt, poison, loss_of)
     del acc, model, opt
     gc.collect()
 

@@ -200,6 +200,20 @@ def measure_time(seq: int, rounds: int) -> dict:
 
 
 def report(mem: dict, timing: dict, args) -> None:
+    if mem:
+        _report_memory(mem, args)
+    print(f"\nStep time at {args.time_seq} tokens, SP=2 on 2 ranks (median of {args.rounds}, alternating):")
+    if "error" in timing:
+        print(f"  DeepSpeed DistributedAttention does not run here: {timing['error']}")
+    else:
+        st = timing["stats"]
+        for name, s in st.items():
+            print(f"  {name:<34} {s['median'] * 1e3:8.1f} ms  (spread {s['spread']:.0%}, n={s['n']})")
+        r = st["mixprec_ulysses"]["median"] / st["deepspeed_distributed_attention"]["median"]
+        print(f"  mixprec / DeepSpeed: {r:.3f}; first-step losses {timing['losses']}")
+
+
+def _report_memory(mem: dict, args) -> None:
     sps = sorted(mem)
     print(f"Sequence parallelism, HF Llama (hidden 128, 2 layers, 8/4 heads, vocab 4096), fp32, ddp; "
           f"step memory = OS peak (VmHWM) minus VmRSS before the step, max over ranks "
@@ -222,15 +236,6 @@ def report(mem: dict, timing: dict, args) -> None:
             line += f", {r:.2f}x SP=1" + (f" (goal >= {goal}x: {'met' if r >= goal else 'MISSED'})" if goal else "")
         print(line)
         print("     measured: " + ", ".join(f"{s}:{v:.0f}" for s, v in m["tried"].items()))
-    print(f"\nStep time at {args.time_seq} tokens, SP=2 on 2 ranks (median of {args.rounds}, alternating):")
-    if "error" in timing:
-        print(f"  DeepSpeed DistributedAttention does not run here: {timing['error']}")
-    else:
-        st = timing["stats"]
-        for name, s in st.items():
-            print(f"  {name:<34} {s['median'] * 1e3:8.1f} ms  (spread {s['spread']:.0%}, n={s['n']})")
-        r = st["mixprec_ulysses"]["median"] / st["deepspeed_distributed_attention"]["median"]
-        print(f"  mixprec / DeepSpeed: {r:.3f}; first-step losses {timing['losses']}")
 
 
 def main() -> None:
@@ -243,6 +248,7 @@ def main() -> None:
     ap.add_argument("--time-seq", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="cap 128 MiB, 4 rounds, table at 4096 tokens")
+    ap.add_argument("--timing-only", action="store_true", help="only the step-time comparison")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the raw figures here")
     args = ap.parse_args()
     if args.quick:
@@ -251,7 +257,7 @@ def main() -> None:
         bad = [sp for sp in args.sp if seq % (256 * sp)]
         if bad:
             raise SystemExit(f"--lengths {seq} is not a multiple of 256 x SP for SP={bad}")
-    mem = measure_memory(args.sp, args.lengths, args.cap_mib, args.start, args.max_seq)
+    mem = {} if args.timing_only else measure_memory(args.sp, args.lengths, args.cap_mib, args.start, args.max_seq)
     timing = measure_time(args.time_seq, args.rounds)
     report(mem, timing, args)
     if args.json:

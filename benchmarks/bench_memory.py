@@ -47,6 +47,7 @@ zero3 / fsdp / fully_shard units: every ``TransformerEncoderLayer`` plus the roo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -233,19 +234,31 @@ def _one(name: str, world: int, cfg: dict, timeout: float) -> dict:
     return res
 
 
+@contextlib.contextmanager
+def mmap_threshold_env():
+    """``MALLOC_MMAP_THRESHOLD_`` set for the ranks spawned inside (they inherit it), put back after."""
+    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+
+
 def measure(worlds=(2, 4), *, dim: int = 512, layers: int = 4, batch: int = 4, steps: int = 2,
             contenders: list[str] = CONTENDERS, timeout: float = 900) -> dict:
     """Memory of every contender at every world size; ``{"worlds": {N: {name: result}}, ...}``.
     A DeepSpeed contender that cannot run here (not installed, init error) is listed under
     ``skipped`` with the reason; any other failure raises."""
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # inherited by the spawned ranks
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     cfg = dict(dim=dim, layers=layers, batch=batch, steps=steps)
     out = {"dim": dim, "layers": layers, "batch": batch, "steps": steps, "warmup": WARMUP,
            "mmap_threshold": int(MMAP_THRESHOLD), "params": n_params(tinylm(dim, layers)),
            "worlds": {}, "skipped": {}}
-    try:
+    with mmap_threshold_env():  # inherited by the spawned ranks
         for world in worlds:
             rows = out["worlds"][str(world)] = {}
             for name in contenders:
@@ -258,11 +271,6 @@ def measure(worlds=(2, 4), *, dim: int = 512, layers: int = 4, batch: int = 4, s
                     if not name.startswith("deepspeed"):
                         raise
                     out["skipped"][f"{name} N={world}"] = f"{type(e).__name__}: {str(e)[-400:]}"
-    finally:
-        if previous is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
     return out
 
 

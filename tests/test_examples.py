@@ -25,7 +25,7 @@ QUICK = {
     "denoiser.py": ["--steps", "4", "--samples", "32"],
 }
 # Multi-process only (tests/distributed/test_example_runs.py): not in the one-process runs.
-DISTRIBUTED_ONLY = {"tp_llama.py": ["--steps", "40"]}
+DISTRIBUTED_ONLY = {"tp_llama.py": ["--steps", "40"], "long_context.py": ["--steps", "2"]}
 FINAL = re.compile(r"^final: loss ([-\d.naif]+).*backend (\w+), (\d) process\(es\), (\S+?)[;,\s]", re.M)
 
 

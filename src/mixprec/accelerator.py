@@ -33,6 +33,7 @@ from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
 from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
 from .engines import Engine, gathered, resolve_backend
+from .parallel import sequence as sequence_parallel
 from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
@@ -259,8 +260,14 @@ class Accelerator(AccelerateApi):
         if comm_cls.distributed and self.state.group is None:
             self.state = init_single_process_group(self.state, timeout=timeout)
         tp_size = getattr(getattr(cfg, "tensor_parallel", None), "size", 1)
-        self.mesh = None  # the (dp, tp) rank layout under tensor parallelism (parallel/mesh.py)
-        if tp_size > 1:
+        sp_size = getattr(getattr(cfg, "sequence_parallel", None), "size", 1)
+        # The (dp, tp) or (dp, sp) rank layout under tensor or sequence parallelism
+        # (parallel/mesh.py); under SP, the group's Ulysses attention (parallel/sequence/).
+        self.mesh = None
+        self._ulysses: Optional[sequence_parallel.Ulysses] = None
+        if sp_size > 1:
+            self.mesh, self._ulysses = sequence_parallel.setup(comm_cls, self.state, sp_size, tp_size)
+        elif tp_size > 1:
             comm_cls, self.mesh = tensor_parallel.setup(comm_cls, self.state, tp_size)
         if creates_group and self.state.group is not None:
             _CREATED_GROUPS.add(self.state.group.group_name)
@@ -275,7 +282,8 @@ class Accelerator(AccelerateApi):
         check_device_supports(self.device, self.policy)
         options = self.config.engine_options()
         if comm_cls.distributed:
-            dp_group = self.mesh.dp_group if self.mesh is not None else self.state.group
+            # TP: the DP group; SP: the whole world ([Note: the sequence-parallel loss]).
+            dp_group = self.mesh.dp_group if self._tp else self.state.group
             options["group"] = group if group is not None else dp_group
         try:
             self.engine = Engine(self.policy, self.device, comm_cls, fused_optimizer=cfg.fused_optimizer, **options)
@@ -337,12 +345,16 @@ class Accelerator(AccelerateApi):
         self.engine.set_nonfinite_policy(old.nonfinite_grads)
         self.engine.clip_in_step = old.clip_in_step
         self.engine.cache_weight_casts = old.cache_weight_casts
-        if self.mesh is not None:
+        if self._tp:
             for layout in filter(None, map(tensor_parallel.layout_of, self._models)):
                 self.engine.comm.attach_tp(layout.tp, self.state.group.group_name, layout.split_ids)
         self.gradient_state.step, self.gradient_state.sync_gradients = 0, True
 
     # ------------------------------------------------------------------ info
+    @property
+    def _tp(self) -> bool:
+        return self.mesh is not None and self.mesh.tp_size > 1
+
     @property
     def mixed_precision(self) -> str:
         return self.policy.name
@@ -430,11 +442,15 @@ class Accelerator(AccelerateApi):
         if is_prepared(model) and model in self._models:
             return model
         checkpointed = act_ckpt.plan(model, self.config.config.activation_checkpointing, self.engine)
-        if self.mesh is not None:
+        if self._ulysses is not None:
+            sequence_parallel.check_model(model)
+        if self._tp:
             model.to(self.device)
             tensor_parallel.prepare_model(model, self.engine, self.mesh, self.config.config.tensor_parallel,
                                           self.state.group)
         self.engine.prepare_model(model, self._autocast_gate)
+        if self._ulysses is not None:
+            sequence_parallel.prepare_model(model, self._ulysses)
         act_ckpt.apply(checkpointed)  # after the engine: [Note: checkpointing by class swap]
         self._models.append(model)
         return model
@@ -442,7 +458,7 @@ class Accelerator(AccelerateApi):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
-        if self.mesh is not None:
+        if self._tp:
             tensor_parallel.swap_optimizer_params(optimizer, self._models)
         state = self.engine.prepare_optimizer(optimizer)
         prepared = PreparedOptimizer(optimizer, self.engine, state, self.gradient_state)
@@ -495,8 +511,8 @@ class Accelerator(AccelerateApi):
         seed = self.data_seed if plain_shuffle else None
         seeded = plain_shuffle and (self.use_seedable_sampler or seed is not None)
         if self.state.world_size > 1:
-            # Under tensor parallelism the ranks of a TP group read the same batches: the
-            # loader shards over the data-parallel ranks only.
+            # Under tensor or sequence parallelism the ranks of a TP/SP group read the same
+            # batches: the loader shards over the data-parallel ranks only.
             mesh = self.mesh
             dataloader = shard_dataloader(
                 dataloader, self.state, split_batches=self.split_batches,
@@ -512,8 +528,72 @@ class Accelerator(AccelerateApi):
         # Resumable: save_state records the position in the pass, load_state skips ahead.
         prepared = ResumableDataLoader(dataloader, self.device if place else None, self.gradient_state,
                                        original=original, non_blocking=self.non_blocking)
+        sp = self.config.config.sequence_parallel
+        if sp.prepare_batches:
+            prepared.batch_transform = lambda batch, seq_dim=sp.seq_dim: self._sp_batch(batch, seq_dim)
         self._dataloaders.append(prepared)
         return prepared
+
+    # ------------------------------------------------------ sequence parallelism
+    def prepare_sp_inputs(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                          position_ids: Optional[torch.Tensor] = None,
+                          attention_mask: Optional[torch.Tensor] = None, seq_dim: int = 1) -> dict:
+        """This rank's kwargs for ``model(**batch)`` under ``sequence_parallel.size`` = P
+        (docs/sequence_parallel.md): its slice of ``input_ids`` along ``seq_dim`` (the
+        length must be a multiple of P), the slice's ``position_ids`` in the whole sequence
+        (default ``0..S-1``), and with ``labels``: ``shift_labels`` (labels shifted one token
+        left *before* slicing, so no target is lost at a slice border; also given as
+        ``labels`` so HF models compute their loss) and ``num_items_in_batch``, the loss
+        normaliser that makes the engine's average the exact whole-sequence loss
+        ([Note: the sequence-parallel loss] in parallel/sequence/inputs.py). A padding
+        ``attention_mask`` is not handed to the model: the attention applies the whole
+        sequence's causal-and-padding mask itself (an all-ones mask is dropped). Without sequence parallelism: the whole sequence, same keys.
+        Every rank of an SP group must pass the same whole batch (a prepared DataLoader
+        gives it).
+
+        Example::
+
+            batch = accelerator.prepare_sp_inputs(input_ids=ids, labels=ids)
+            loss = model(**batch).loss            # HF: sum of this slice's token losses / normaliser
+            accelerator.backward(loss)
+            logged = accelerator.reduce(loss.detach(), "mean")   # the whole-sequence loss
+        """
+        return sequence_parallel.prepare_inputs(self._ulysses, input_ids, labels, position_ids, attention_mask,
+                                                seq_dim)
+
+    def prepare_autosp_inputs(self, input_id: torch.Tensor, label_id: Optional[torch.Tensor] = None,
+                              position_id: Optional[torch.Tensor] = None,
+                              attention_mask: Optional[torch.Tensor] = None, seq_dim: int = 1) -> dict:
+        """:meth:`prepare_sp_inputs` under DeepSpeed's AutoSP argument names
+        (``deepspeed.compile.passes.sp_compile.prepare_autosp_inputs``); returns the kwargs
+        for ``model(**batch)`` (DeepSpeed tags the tensors in place instead)."""
+        return self.prepare_sp_inputs(input_id, label_id, position_id, attention_mask, seq_dim)
+
+    def sp_loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """Your own token loss under sequence parallelism: the cross-entropy of ``logits``
+        against ``batch["shift_labels"]`` summed over this slice and divided by
+        ``batch["num_items_in_batch"]`` (``batch`` from :meth:`prepare_sp_inputs`), which is
+        what HF's built-in loss computes from the same batch.
+
+        Example::
+
+            batch = accelerator.prepare_sp_inputs(input_ids=ids, labels=ids)
+            loss = accelerator.sp_loss(model(input_ids=batch["input_ids"]).logits, batch)
+        """
+        return sequence_parallel.token_loss(logits, batch)
+
+    def _sp_batch(self, batch: Any, seq_dim: int) -> dict:
+        """``sequence_parallel.prepare_batches``: a loader's mapping batch, sliced."""
+        from collections.abc import Mapping
+
+        keys = ("input_ids", "labels", "position_ids", "attention_mask")
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise TypeError(f"sequence_parallel.prepare_batches needs batches that are mappings with 'input_ids' "
+                            f"(and optional {', '.join(keys[1:])}), got {type(batch).__name__}; collate to a "
+                            "dict, or call accelerator.prepare_sp_inputs yourself")
+        out = {k: v for k, v in batch.items() if k not in keys}
+        out.update(self.prepare_sp_inputs(*(batch.get(k) for k in keys), seq_dim=seq_dim))
+        return out
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
         """The user's module. With ``keep_fp32_wrapper=False`` the policy's forward

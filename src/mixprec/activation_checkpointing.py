@@ -194,6 +194,15 @@ def plan(model: nn.Module, options: ActivationCheckpointingOptions, engine: Any)
     """The modules of ``model`` that ``options`` checkpoint under ``engine`` (before the
     engine prepares the model, so a bad value leaves the model untouched)."""
     units = None
+    if options.selective:
+        # torch's selective checkpointing (create_selective_checkpoint_contexts, attention
+        # outputs MUST_SAVE, the rest recomputed) fails on a Hugging Face Llama decoder layer
+        # under torch 2.13 ("aten.slice.Tensor invocation ... not found in storage" in
+        # backward); it is not offered until it can be tested to give the same gradients.
+        raise NotImplementedError(
+            "activation_checkpointing.selective=true (AutoSP's selective checkpointing: recompute the "
+            "matmuls, keep the attention outputs) is not implemented; checkpoint whole modules instead "
+            "(activation_checkpointing.modules / units, selective: false)")
     if options.units:
         spec = getattr(engine.comm, "units_spec", None)
         if spec is None:

@@ -16,13 +16,15 @@ import torch
 from mixprec import Accelerator, CollectiveDesyncError
 
 case, timeout = sys.argv[1], float(sys.argv[2])
-backend = {"state_dict": "zero2", "clip": "zero3"}.get(case, "ddp")
+backend = {"state_dict": "zero2", "clip": "zero3", "sp_clip": "zero3"}.get(case, "ddp")
 # stuck_gloo: the process group's own timeout is the short one (desync detection at 60 s).
 short_pg = case == "stuck_gloo"
 config = {"collective_timeout": 60 if short_pg else timeout}
 if case == "tp_clip":  # tensor parallelism: the first Linear column-split, the last row-split
     config["tensor_parallel"] = {"size": 2, "partition_config": {"use_default_specs": False, "layer_specs": [
         {"patterns": ["^0$"], "partition_type": "column"}, {"patterns": ["^2$"], "partition_type": "row"}]}}
+if case == "sp_clip":  # sequence parallelism: the forward runs Ulysses all-to-alls on the SP group
+    config["sequence_parallel"] = {"size": 2}
 acc = Accelerator(cpu=True, log_policy=False, backend=backend,
                   config=config,
                   even_batches=False if case.startswith("uneven") else None,
@@ -30,6 +32,18 @@ acc = Accelerator(cpu=True, log_policy=False, backend=backend,
 rank = acc.process_index
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+if case == "sp_clip":
+    class Attention(torch.nn.Module):  # x [s, 8]: one sequence's slice, 2 heads of 4
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(1, -1, 3, 2, 4).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(a.transpose(1, 2).reshape(-1, 8))
+
+    model = Attention()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = acc.prepare(model, opt)
 
@@ -63,7 +77,7 @@ try:
         if rank == 0:
             acc.wait_for_everyone()  # MARK:wait
         step()
-    elif case in ("clip", "tp_clip"):
+    elif case in ("clip", "tp_clip", "sp_clip"):
         acc.backward(model(torch.randn(4, 8)).pow(2).mean())
         if rank == 0:
             acc.clip_grad_norm_(model.parameters(), 1.0)  # MARK:clip

@@ -118,6 +118,15 @@ def test_clip_grad_norm_on_one_rank_under_tensor_parallelism(tmp_path):
     print(f"\n[clip tp] both ranks gone {elapsed:.1f} s after the fault")
 
 
+def test_clip_grad_norm_on_one_rank_under_sequence_parallelism(tmp_path):
+    """SP=2 (zero3 over both ranks, Ulysses all-to-alls in every forward): rank 0's clip waits
+    in the norm all-reduce, rank 1 in the step's found_inf agreement; both are named."""
+    results, elapsed = _run(tmp_path, "sp_clip")
+    _assert_report(results, [f"rank 0: in clip_grad_norm_() at {_line('clip')}",
+                             f"rank 1: in optimizer.step() at {_line('clip_step')}"], "[1]")
+    print(f"\n[clip sp] both ranks gone {elapsed:.1f} s after the fault")
+
+
 def test_different_calls_at_the_same_point_raise_at_once(tmp_path):
     results, elapsed = _run(tmp_path, "different")
     for code, out in results:

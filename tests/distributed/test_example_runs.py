@@ -83,3 +83,19 @@ def test_tp_llama_example_trains_with_tensor_parallelism(tmp_path):
     acc = float(out.stdout.split("next-token accuracy ")[-1].split(",")[0])
     reloaded = float(out.stdout.split("(bfloat16): next-token accuracy ")[1].split()[0])
     assert acc >= 0.9 and abs(reloaded - acc) <= 0.05, out.stdout
+
+
+@pytest.mark.slow
+def test_long_context_example_fits_the_cap_with_sequence_parallelism_only(tmp_path):
+    """examples/long_context.py (8192 tokens): one process goes over the per-rank step-memory
+    cap and says so (exit 3); SP=2 on 2 processes fits it, with the same (exact) losses."""
+    pytest.importorskip("transformers")
+    script = str(Path(EXAMPLE).parent / "long_context.py")
+    one = subprocess.run([sys.executable, script, "--sp", "1", "--steps", "2"], capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 3 and "over the cap: a sequence of 8192 tokens does not fit 512 MiB" in one.stdout, \
+        (one.returncode, one.stdout[-2000:], one.stderr[-2000:])
+    two = run_example("long_context.py", launcher=("-m", "mixprec", "launch", "--nproc-per-node", "2"))
+    assert "mesh dp=1 x sp=2" in two.stdout and "over the cap" not in two.stdout, two.stdout
+    losses = [line.split("final: loss ")[1].split(",")[0] for line in (one.stdout, two.stdout)]
+    assert losses[0] == losses[1], losses

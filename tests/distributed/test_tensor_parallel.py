@@ -514,6 +514,25 @@ def test_checkpoints_reshard_across_tp_sizes(tmp_path):
 
 
 # ------------------------------------------------- guards, accumulation, checkpointing
+def overflow_steps(acc, model, opt, poison: dict, loss_of) -> tuple:
+    """3 fp16 steps, ``poison["on"]`` (a gradient hook's switch) in the second: per step
+    (stepped, reason, weights unchanged), the loss scales, the skipped count."""
+    import torch
+
+    results, scales = [], []
+    for step in range(3):
+        poison["on"] = step == 1
+        before = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+        acc.backward(loss_of(step))
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        r = opt.step()
+        opt.zero_grad()
+        after = acc.get_state_dict(model)
+        results.append((bool(r.stepped), r.reason, all(torch.equal(before[k], after[k]) for k in before)))
+        scales.append(acc.loss_scale)
+    return results, scales, acc.skipped_steps
+
+
 def _guards(state):
     import gc
 
@@ -532,19 +551,9 @@ def _guards(state):
     poison = {"on": False}
     w = model.model.layers[0].self_attn.q_proj.weight
     w.register_hook(lambda g: g.fill_(float("inf")) if poison["on"] and rank == 1 else g)
-    results, scales = [], []
-    for step in range(3):
-        poison["on"] = step == 1
-        before = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
-        ids = _global_batch(step, 1)
-        acc.backward(model(input_ids=ids, labels=ids).loss)
-        acc.clip_grad_norm_(model.parameters(), 1.0)
-        r = opt.step()
-        opt.zero_grad()
-        after = acc.get_state_dict(model)
-        results.append((bool(r.stepped), r.reason, all(torch.equal(before[k], after[k]) for k in before)))
-        scales.append(acc.loss_scale)
-    out["fp16"] = (results, scales, acc.skipped_steps)
+    out["fp16"] = overflow_steps(acc, model, opt, poison,
+                                 lambda step: model(input_ids=_global_batch(step, 1),
+                                                    labels=_global_batch(step, 1)).loss)
     # TP traffic of one step ([Note: one copy_to per shared input]): forward, one all-reduce
     # per row layer (o, down) and the vocab-parallel embedding's; backward, one per input
     # that column layers share (q/k/v, gate/up) and the lm_head's; one logits all-gather.

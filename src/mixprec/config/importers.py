@@ -102,7 +102,7 @@ def import_config(path: str) -> ImportReport:
         report = ImportReport("Accelerate")
         _accelerate(data, report)
     elif data.keys() & {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16",
-                        "tensor_parallel"}:
+                        "tensor_parallel", "compile", "sequence_parallel_size"}:
         report = ImportReport("DeepSpeed")
         _deepspeed(data, report)
     else:
@@ -205,6 +205,11 @@ def _deepspeed(data: dict, r: ImportReport) -> None:
             _ds_activation_checkpointing(value, r)
         elif key == "tensor_parallel":
             _ds_tensor_parallel(value, r)
+        elif key == "compile":
+            _ds_compile(value, data.get("sequence_parallel_size"), r)
+        elif key == "sequence_parallel_size":
+            if "compile" not in data:  # with compile, _ds_compile reads it
+                _ds_sp_size(key, value, r)
         elif key in _DS_IGNORED:
             r.ignore(key, value, _DS_IGNORED[key])
         elif key in _DS_REFUSED:
@@ -382,6 +387,50 @@ def _ds_tensor_parallel(value: Any, r: ImportReport) -> None:
             r.ignore(src, v, _DS_TP_IGNORED[sub])
         else:
             r.refuse(src, v, "unknown tensor_parallel key, not converted; remove it or report it")
+
+
+# DeepSpeed's compile section (deepspeed/compile/config.py, CompileConfig): DeepCompile's own
+# passes and options. Only the AutoSP pass has a mixprec counterpart: sequence_parallel, whose
+# size DeepSpeed reads from the top-level ``sequence_parallel_size``
+# (deepspeed/compile/custom_ops/sp_dp_registry.py, extract_mesh_size).
+_DS_PASSES_IGNORED = {
+    "z1": "the backend comes from zero_optimization.stage",
+    "z3": "the backend comes from zero_optimization.stage",
+    "autotp": "tensor parallelism comes from the tensor_parallel section",
+}
+
+
+def _ds_sp_size(src: str, value: Any, r: ImportReport) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        r.refuse(src, value, "must be an integer >= 1 (the sequence-parallel degree)")
+    else:
+        r.set(src, value, "sequence_parallel.size", value)
+
+
+def _ds_compile(value: Any, sp_size: Any, r: ImportReport) -> None:
+    """``compile: {passes: ["autosp"]}`` + ``sequence_parallel_size`` -> ``sequence_parallel.size``."""
+    if not isinstance(value, dict):
+        r.refuse("compile", value, "must be a mapping")
+        return
+    passes = value.get("passes") or []
+    for key, v in value.items():
+        src = f"compile.{key}"
+        if key != "passes":
+            r.ignore(src, v, "a DeepCompile option; mixprec does not compile the model (torch.compile it "
+                             "yourself: sequence parallelism keeps working under it)")
+    for name in passes if isinstance(passes, list) else [passes]:
+        src = "compile.passes"
+        if name == "autosp":
+            if sp_size is None:
+                r.ignore(src, name, "sequence_parallel_size is not given: AutoSP runs with size 1 (off)")
+            else:
+                _ds_sp_size("sequence_parallel_size", sp_size, r)
+        elif name in _DS_PASSES_IGNORED:
+            r.ignore(src, name, _DS_PASSES_IGNORED[name])
+        else:
+            r.refuse(src, name, "unknown DeepCompile pass, not converted; remove it or report it")
+    if "autosp" not in (passes if isinstance(passes, list) else [passes]) and sp_size is not None:
+        _ds_sp_size("sequence_parallel_size", sp_size, r)
 
 
 def _ds_tp_size(src: str, value: Any, r: ImportReport) -> None:

@@ -77,6 +77,9 @@ accelerator = Accelerator(config="mixprec.yaml")      # or: mixprec launch --con
   `preset_model`, `partition_config`) becomes the `tensor_parallel` block; its layer-spec
   patterns are rewritten from DeepSpeed's `re.match` on `<module>.weight` to mixprec's
   `re.search` on `<module>` (e.g. `.*\\.o_proj\\.weight$` -> `.*\\.o_proj$`), each rewrite shown.
+  DeepSpeed's AutoSP (`compile.passes: ["autosp"]` with the top-level
+  `sequence_parallel_size`) becomes `sequence_parallel.size`; DeepCompile's other options
+  are reported as ignored.
 * `mixprec config reference -o docs/configuration.md` — this file.
 * `mixprec test` — a 2-process self-check (Gloo, ddp and zero2 in bf16).
 

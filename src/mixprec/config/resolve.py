@@ -260,17 +260,18 @@ def resolve(
 
 
 def _check_tensor_parallel(config: MixprecConfig, settings: Mapping[str, Setting], world_size: int) -> None:
-    """Tensor-parallel groups are ``size`` consecutive ranks: the processes must fill whole
-    groups. One process (a script run without a launcher, ``mixprec config explain``) says
-    nothing about the run's world size and is not checked."""
-    size = config.tensor_parallel.size
-    if size > 1 and world_size > 1 and world_size % size:
-        raise ConfigError(
-            f"tensor_parallel.size={size} (from {settings['tensor_parallel.size'].source}) does not "
-            f"divide the world size {world_size}: tensor-parallel groups are {size} consecutive ranks "
-            f"and {world_size} processes do not fill whole groups. Run a multiple of "
-            f"tensor_parallel.size processes, or change tensor_parallel.size"
-        )
+    """Tensor- and sequence-parallel groups are ``size`` consecutive ranks: the processes must
+    fill whole groups. One process (a script run without a launcher, ``mixprec config
+    explain``) says nothing about the run's world size and is not checked."""
+    for block, what in (("tensor_parallel", "tensor"), ("sequence_parallel", "sequence")):
+        size = getattr(config, block).size
+        if size > 1 and world_size > 1 and world_size % size:
+            raise ConfigError(
+                f"{block}.size={size} (from {settings[f'{block}.size'].source}) does not "
+                f"divide the world size {world_size}: {what}-parallel groups are {size} consecutive ranks "
+                f"and {world_size} processes do not fill whole groups. Run a multiple of "
+                f"{block}.size processes, or change {block}.size"
+            )
 
 
 def _agreed(path: str, values: list[tuple[Any, str]], default: Any) -> Any:

@@ -13,6 +13,8 @@ Example (YAML)::
     zero3:
       units: [TransformerEncoderLayer]
       prefetch: true
+    sequence_parallel:
+      size: 1
     tensor_parallel:
       size: 2
       partition_config:
@@ -213,6 +215,12 @@ class ActivationCheckpointingOptions:
     """zero3/fsdp only: checkpoint every sharding unit below the root (the modules
     ``zero3.units`` / ``fsdp.units`` choose), like Accelerate's
     ``fsdp_activation_checkpointing``."""
+    selective: bool = False
+    """Selective checkpointing (AutoSP's): in the chosen modules keep the outputs of the
+    attention kernels (``scaled_dot_product_attention``) and of sequence parallelism's
+    all-to-alls, and recompute everything else (the matmuls, norms, activations) in
+    backward. false: recompute the whole module. Not implemented yet: true raises
+    NotImplementedError at ``prepare()`` (docs/sequence_parallel.md, Limits)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,6 +284,23 @@ class TensorParallelOptions:
     or mixprec's heuristics."""
     partition_config: TPPartitionConfig = field(default_factory=TPPartitionConfig)
     """Custom partition rules."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceParallelOptions:
+    """Sequence parallelism (DeepSpeed's AutoSP, Ulysses): every sequence split over groups
+    of ``size`` consecutive ranks (ranks 0..size-1 form the first group), attention run over
+    the whole sequence for a share of the heads (docs/sequence_parallel.md); data
+    parallelism runs across the groups, so the world size must be a multiple of ``size``."""
+
+    size: int = checked(1, lambda v: v >= 1, "an int >= 1")
+    """Ranks in one sequence-parallel group. 1: off."""
+    prepare_batches: bool = False
+    """A prepared DataLoader hands out ``Accelerator.prepare_sp_inputs(**batch)`` for every
+    batch (a mapping with ``input_ids`` and optional ``labels``, ``position_ids``,
+    ``attention_mask``): this rank's slice, shifted labels and the loss normaliser."""
+    seq_dim: int = checked(1, lambda v: v >= 0, "an int >= 0")
+    """The sequence dimension of the batches ``prepare_batches`` slices."""
 
 
 # Backend name -> the block of options its engine takes (single takes none).
@@ -384,3 +409,5 @@ class MixprecConfig:
     """Which modules recompute their activations in backward (all backends)."""
     tensor_parallel: TensorParallelOptions = field(default_factory=TensorParallelOptions)
     """Tensor parallelism: weights split over groups of consecutive ranks."""
+    sequence_parallel: SequenceParallelOptions = field(default_factory=SequenceParallelOptions)
+    """Sequence parallelism: sequences split over groups of consecutive ranks."""

@@ -5,7 +5,9 @@
   holds the model-family presets, ``layers.py`` the split layers and their collectives,
   ``engine.py`` what the data-parallel engines add under TP (norm and found_inf agreed over
   the whole world), ``state.py`` full tensors from split ones (``get_state_dict``,
-  ``save_16bit_model``).
+  ``save_16bit_model``);
+- ``sequence/``: sequence parallelism (AutoSP, Ulysses): ``inputs.py`` slices a batch and
+  gives the loss normaliser, ``ulysses.py`` runs every SDPA call over the whole sequence.
 
 ``accelerator.py`` only calls into this package.
 """

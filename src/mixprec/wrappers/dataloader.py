@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -86,8 +86,12 @@ class PreparedDataLoader(torch.utils.data.DataLoader):
         """The wrapped loader's batches of one pass (subclasses skip some)."""
         return iter(self.dataloader)
 
+    # Applied to every placed batch (``sequence_parallel.prepare_batches``: this rank's slice).
+    batch_transform: Optional[Callable[[Any], Any]] = None
+
     def _place(self, batch):
-        return batch if self.device is None else send_to_device(batch, self.device, self._non_blocking)
+        batch = batch if self.device is None else send_to_device(batch, self.device, self._non_blocking)
+        return batch if self.batch_transform is None else self.batch_transform(batch)
 
     def _remainder(self):
         """Real samples in the last global batch when the loader was sharded (else None)."""
@@ -122,6 +126,7 @@ class SkippingDataLoader(PreparedDataLoader):
         super().__init__(loader.dataloader, loader.device, loader._gradient_state,
                          original=loader.original, non_blocking=loader._non_blocking)
         self.skip_batches = num_batches
+        self.batch_transform = loader.batch_transform
 
     def __len__(self) -> int:
         return max(0, len(self.dataloader) - self.skip_batches)

@@ -97,6 +97,9 @@ class ForwardContext:
         # parameters] in engines/gathered.py); forward runs with subclass torch functions
         # off, so the guard's check costs nothing per op.
         self.plain_params = False
+        # A context the whole forward runs in (sequence parallelism's Ulysses attention,
+        # parallel/sequence/ulysses.py), entered inside the policy's autocast; None: none.
+        self.around: Optional[Callable[[], Any]] = None
 
     def __deepcopy__(self, memo) -> "ForwardContext":
         # A deep copy of a prepared model (an EMA copy, say) runs its forward under the
@@ -110,6 +113,12 @@ class ForwardContext:
         return new
 
     def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.around is not None:
+            with self.around():
+                return self._run_plain(forward, args, kwargs)
+        return self._run_plain(forward, args, kwargs)
+
+    def _run_plain(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
         if self.plain_params:
             with torch._C.DisableTorchFunctionSubclass():
                 return self._run(forward, args, kwargs)

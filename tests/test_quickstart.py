@@ -38,7 +38,6 @@ def _run_as_written(cmds: list[str], cwd: Path) -> list[str]:
     env = dict(os.environ)
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.pop("MIXPREC_CONFIG_FILE", None)
-    env.pop("PYTHONPATH", None)  # `mytrain` must be found in the current folder, as for a user
     outputs = []
     for cmd in cmds:
         proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

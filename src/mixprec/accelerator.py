@@ -9,6 +9,7 @@ import datetime
 import gc
 import logging
 import os
+import warnings
 import weakref
 from typing import Any, Optional, Union
 
@@ -33,6 +34,7 @@ from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
 from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
 from .engines import Engine, gathered, resolve_backend
+from .errors import NotPreparedError
 from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
@@ -425,6 +427,7 @@ class Accelerator(AccelerateApi):
             self._policy_logged = True
         if is_prepared(model) and model in self._models:
             return model
+        _clear_stale_grads(model)
         checkpointed = act_ckpt.plan(model, self.config.config.activation_checkpointing, self.engine)
         if self.mesh is not None:
             model.to(self.device)
@@ -606,13 +609,25 @@ class Accelerator(AccelerateApi):
         steps = self.gradient_state.accumulation_steps
         return loss / steps if steps > 1 else loss
 
+    def _require_prepared(self, call: str) -> None:
+        if not self._models:
+            raise NotPreparedError(
+                f"accelerator.{call} was called before accelerator.prepare() got a model: its gradients "
+                f"would sit in plain .grad tensors outside the engine and flow into the first real "
+                f"optimizer step. Fix: call `model, optimizer = accelerator.prepare(model, optimizer)` "
+                f"first, then compute the loss with the prepared model and call accelerator.{call}"
+            )
+
     @desync.tracked("backward")
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``loss.backward()`` with accumulation division (once) and loss scaling."""
+        """``loss.backward()`` with accumulation division (once) and loss scaling. Before
+        ``prepare()`` got a model it raises :class:`NotPreparedError`."""
+        self._require_prepared("backward(loss)")
         self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``.backward()`` on yourself (accumulation-divided and scaled)."""
+        self._require_prepared("scale(loss)")
         return self.engine.scale_loss(self._divide_for_accumulation(loss))
 
     def unscale_gradients(self, optimizer: Optional[PreparedOptimizer] = None) -> None:
@@ -911,6 +926,36 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+
+
+def _clear_stale_grads(model: nn.Module) -> None:
+    """[Note: gradients before prepare()]
+    A backward run before ``prepare()`` (a sanity-check step, a stray ``loss.backward()``)
+    leaves ``.grad`` on the raw parameters. The engines read ``.grad`` as this step's
+    gradient, so it would be added into the first real step (in fp16 without the loss
+    scale's division). ``prepare()`` clears them (``.grad = None``) and warns, naming how
+    many and which: the run then starts from the same state as a clean one, and a script
+    that ran a deliberate check before ``prepare()`` keeps working. They are cleared rather
+    than refused because no engine could use them (they were never scaled, reduced or
+    accumulated under the policy), and mixprec's own ``backward`` before ``prepare()``
+    raises :class:`NotPreparedError` already."""
+    stale = [name for name, p in model.named_parameters() if p.grad is not None]
+    if not stale:
+        return
+    for p in model.parameters():
+        p.grad = None
+    shown = ", ".join(stale[:4]) + (f", ... ({len(stale) - 4} more)" if len(stale) > 4 else "")
+    warnings.warn(
+        f"prepare(): {len(stale)} parameter(s) of {type(model).__name__} already had gradients ({shown}), "
+        f"from a backward run before prepare(); they were cleared (.grad = None) so that they cannot "
+        f"flow into the first optimizer step. Call backward only after prepare() to silence this "
+        f"([Note: gradients before prepare()] in mixprec/accelerator.py)",
+        StaleGradientsWarning, stacklevel=4,
+    )
+
+
+class StaleGradientsWarning(UserWarning):
+    """``prepare()`` cleared gradients a backward before it left on the model's parameters."""
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -38,6 +38,7 @@ from .errors import NotPreparedError
 from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
+from .startup import startup_line
 from .step import StepResult
 from .checkpoint.dataloader import ResumableDataLoader
 from .wrappers.dataloader import PreparedDataLoader
@@ -118,7 +119,10 @@ class Accelerator(AccelerateApi):
             whose values differ from the defaults).
         fused_optimizer: step Adam/AdamW/SGD with the C++ fused kernels when eligible.
         step_scheduler_with_optimizer: prepared schedulers follow optimizer steps.
-        log_policy: print the resolved policy once at the first ``prepare()``.
+        log_policy: print the start-up line once, on the main process, at the first
+            ``prepare()`` of a model: backend (and how ``auto`` resolved), world size, nodes,
+            process group, precision policy, gradient buckets or sharding units
+            (mixprec/startup.py).
         engine_options: options of the selected backend (its config block), e.g. for
             ``"ddp"``: ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``find_unused_parameters``,
             ``broadcast_buffers``.
@@ -422,9 +426,6 @@ class Accelerator(AccelerateApi):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, PreparedOptimizer):
             raise TypeError("prepare_model() got an optimizer")
-        if self._log_policy and not self._policy_logged:
-            self.print(self.policy.describe())
-            self._policy_logged = True
         if is_prepared(model) and model in self._models:
             return model
         _clear_stale_grads(model)
@@ -436,6 +437,9 @@ class Accelerator(AccelerateApi):
         self.engine.prepare_model(model, self._autocast_gate)
         act_ckpt.apply(checkpointed)  # after the engine: [Note: checkpointing by class swap]
         self._models.append(model)
+        if self._log_policy and not self._policy_logged:
+            self.print(startup_line(self, model), flush=True)  # mixprec/startup.py
+            self._policy_logged = True
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:

@@ -92,3 +92,38 @@ def _stray_backward_before_prepare(state):
 
 def test_stray_backward_before_prepare_does_not_reach_ddp_or_zero2():
     assert run_distributed(_stray_backward_before_prepare, 2) == [{"ddp": True, "zero2": True}] * 2
+
+
+def _startup_lines(state):
+    import contextlib
+    import io
+
+    import torch
+
+    from mixprec import Accelerator
+
+    lines = {}
+    for backend in ("auto", "zero3"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            acc = Accelerator(mixed_precision="bf16", backend=None if backend == "auto" else backend, cpu=True)
+            acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+        lines[backend] = (buf.getvalue(), repr(acc.state))
+    return lines
+
+
+def test_startup_line_on_two_processes():
+    """Issue 29, point 5: the main process prints one line naming how `auto` resolved (ddp),
+    world size, nodes, process group, policy and buckets/units; rank 1 prints nothing."""
+    r0, r1 = run_distributed(_startup_lines, 2)
+    auto, auto_state = r0["auto"]
+    assert auto.count("\n") == 1 and auto.startswith(
+        "mixprec: backend ddp (auto: WORLD_SIZE=2); world size 2 (1 node x 2 processes); process group gloo; "
+        "mixprec policy: mixed_precision='bf16'"), auto
+    assert auto.rstrip().endswith("; Sequential: 1 gradient bucket(s) (cap 25 MB, first 1 MB)")
+    zero3, zero3_state = r0["zero3"]
+    assert zero3.startswith("mixprec: backend zero3 (from argument backend=); world size 2"), zero3
+    assert zero3.rstrip().endswith("; Sequential: 1 sharding unit(s)")
+    assert "Backend: ddp\nProcess group backend: gloo\n" in auto_state
+    assert "Backend: zero3\n" in zero3_state
+    assert r1["auto"][0] == r1["zero3"][0] == ""

@@ -32,7 +32,10 @@ is omitted). mixprec adds supervision on top of the agent:
 * every rank dies with the launcher, whatever ends it (SIGKILL included), see
   ``[Note: ranks die with their launcher]``.
 
-``--config-file`` is handed to the script as the ``MIXPREC_CONFIG_FILE`` environment variable.
+``--config-file`` is handed to the script as the ``MIXPREC_CONFIG_FILE`` environment variable;
+``--backend`` and ``--mixed-precision`` as ``MIXPREC_BACKEND`` and ``MIXPREC_MIXED_PRECISION``.
+The configuration they make (with any ``MIXPREC_*`` variable already set) is resolved once
+in the launcher before any rank starts: a typo or a conflict is one error, and no rank runs.
 """
 
 from __future__ import annotations
@@ -76,7 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--master-port", "--master_port", type=int, default=None, metavar="P",
                         help="free port on node 0 (required with --nnodes > 1; picked on one node)")
     parser.add_argument("--config-file", default=None, metavar="F",
-                        help=f"config file passed to the script as ${CONFIG_FILE_ENV}")
+                        help=f"config file passed to the script as ${CONFIG_FILE_ENV} (checked before any rank starts)")
+    parser.add_argument("--backend", default=None, metavar="B",
+                        help="backend for every rank (auto, single, ddp, zero1, zero2, zero3, fsdp), handed to the "
+                             "ranks as $MIXPREC_BACKEND")
+    parser.add_argument("--mixed-precision", "--mixed_precision", default=None, metavar="P",
+                        help="precision for every rank (no, bf16, fp16, ...), handed to the ranks as "
+                             "$MIXPREC_MIXED_PRECISION")
     parser.add_argument("--kill-after", type=float, default=KILL_AFTER_S, metavar="S",
                         help=f"SIGKILL ranks still alive S seconds after the first failure (default {KILL_AFTER_S})")
     parser.add_argument("script", help="the training script")
@@ -104,6 +113,37 @@ def _validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"mixprec launch: script {args.script!r} does not exist; pass the path of a Python file")
     if args.config_file is not None and not Path(args.config_file).is_file():
         raise SystemExit(f"mixprec launch: --config-file {args.config_file!r} does not exist; pass an existing file")
+
+
+# Launcher flags that are config keys: handed to every rank as the key's MIXPREC_* variable.
+CONFIG_FLAGS = {"backend": "MIXPREC_BACKEND", "mixed_precision": "MIXPREC_MIXED_PRECISION"}
+
+
+def _config_env(args: argparse.Namespace) -> dict[str, str]:
+    """The MIXPREC_* variables this launch hands to its ranks, after checking the whole
+    configuration (``--config-file``, the flags, the caller's ``MIXPREC_*`` variables) once,
+    here, with the world size the ranks will see: a typo or a conflict is one error before
+    any rank starts, not one per rank plus a summary and a thread dump."""
+    env: dict[str, str] = {}
+    for flag, name in CONFIG_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        given = os.environ.get(name)
+        if given is not None and given != value:
+            raise SystemExit(f"mixprec launch: --{flag.replace('_', '-')} {value} conflicts with ${name}={given} "
+                             f"in the environment; give the value once (unset {name}, or drop the flag)")
+        env[name] = value
+    if args.config_file is not None:
+        env[CONFIG_FILE_ENV] = str(Path(args.config_file).resolve())
+    from .config import ConfigError, resolve  # torch is imported by the agent anyway
+
+    try:
+        resolve(None, env={**os.environ, **env}, world_size=args.nnodes * args.nproc_per_node)
+    except ConfigError as e:
+        raise SystemExit(f"mixprec launch: error: the configuration the ranks would get is invalid; no rank "
+                         f"was started:\n{e}") from None
+    return env
 
 
 def _free_port() -> int:
@@ -408,8 +448,10 @@ def _summary(d: Path, agent_error: Optional[BaseException]) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """Start the job described by parsed ``launch`` arguments; return the exit code."""
     _validate(args)
-    saved = {k: os.environ.get(k) for k in (LAUNCH_DIR_ENV, CONFIG_FILE_ENV, LAUNCHER_PID_ENV)}
+    config_env = _config_env(args)
+    saved = {k: os.environ.get(k) for k in (LAUNCH_DIR_ENV, LAUNCHER_PID_ENV, *config_env)}
     try:
+        os.environ.update(config_env)
         return _run(args)
     finally:  # the agent passes os.environ to the ranks; leave the caller's as it was
         for key, value in saved.items():
@@ -430,8 +472,6 @@ def _run(args: argparse.Namespace) -> int:
         d = Path(tmp)
         os.environ[LAUNCH_DIR_ENV] = str(d)
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-        if args.config_file is not None:
-            os.environ[CONFIG_FILE_ENV] = str(Path(args.config_file).resolve())
         torchrun_argv = [
             f"--nproc-per-node={args.nproc_per_node}",
             f"--nnodes={args.nnodes}",

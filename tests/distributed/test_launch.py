@@ -47,16 +47,18 @@ def _assert_all_ranks_gone(tmp_path, world):
 
 def test_two_processes_run_and_see_their_env(tmp_path):
     config = tmp_path / "cfg.yaml"
-    config.write_text("x: 1\n")
+    config.write_text("gradient_accumulation_steps: 2\n")
     script = _script(tmp_path, """
         total = reduce(state, torch.tensor([state.rank + 1.0])).item()
-        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MIXPREC_CONFIG_FILE")
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MIXPREC_CONFIG_FILE",
+                "MIXPREC_BACKEND", "MIXPREC_MIXED_PRECISION")
         info = {k: os.environ.get(k) for k in keys}
         info.update(total=total, argv=sys.argv[2:], main=__name__)
         (out / f"rank{state.rank}.json").write_text(json.dumps(info))
         destroy_distributed(state)
     """)
-    proc = _launch("--nproc-per-node", "2", "--config-file", str(config), script, str(tmp_path), "--lr", "3")
+    proc = _launch("--nproc-per-node", "2", "--config-file", str(config), "--backend", "zero2",
+                   "--mixed-precision", "bf16", script, str(tmp_path), "--lr", "3")
     assert proc.returncode == 0, proc.stderr
     infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, info in enumerate(infos):
@@ -64,6 +66,7 @@ def test_two_processes_run_and_see_their_env(tmp_path):
         assert info["WORLD_SIZE"] == info["LOCAL_WORLD_SIZE"] == "2"
         assert info["MASTER_ADDR"] == "127.0.0.1" and int(info["MASTER_PORT"]) > 0
         assert info["MIXPREC_CONFIG_FILE"] == str(config.resolve())
+        assert (info["MIXPREC_BACKEND"], info["MIXPREC_MIXED_PRECISION"]) == ("zero2", "bf16")
         assert info["total"] == 3.0 and info["argv"] == ["--lr", "3"] and info["main"] == "__main__"
 
 
@@ -154,3 +157,28 @@ def test_bad_arguments_echo_the_value(tmp_path, args, match):
     (tmp_path / "x.py").write_text("")
     proc = _launch(*args, cwd=tmp_path, timeout=60)
     assert proc.returncode != 0 and match in proc.stderr
+
+
+@pytest.mark.parametrize("args, env, match", [
+    (["--config-file", "typo.yaml"], {}, "backend='zero22' is not supported; valid backends: .* Did you mean 'zero2'"),
+    (["--backend", "zero9"], {}, r"backend='zero9' is not supported.*\(from env MIXPREC_BACKEND\)"),
+    (["--config-file", "typo.yaml", "--mixed-precision", "bf16"], {"MIXPREC_MIXED_PRECISION": "fp16"},
+     r"--mixed-precision bf16 conflicts with \$MIXPREC_MIXED_PRECISION=fp16 in the environment"),
+    (["--config-file", "ok.yaml", "--backend", "zero3"], {},
+     r"'backend' is given twice with different values: zero2 by file .*ok.yaml.* and zero3 by env MIXPREC_BACKEND"),
+])
+def test_config_is_checked_once_before_any_rank(tmp_path, args, env, match):
+    """Issue 29, point 4: the launcher resolves the configuration the ranks would get; a typo
+    or conflict is printed once and no rank starts (the script would leave a file)."""
+    import re
+
+    (tmp_path / "typo.yaml").write_text("backend: zero22\n")
+    (tmp_path / "ok.yaml").write_text("backend: zero2\n")
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MIXPREC_")}
+    proc = _launch("--nproc-per-node", "2", *args, "train.py", cwd=tmp_path, env={**full_env, **env}, timeout=60)
+    assert proc.returncode != 0
+    assert re.search(match, proc.stderr), proc.stderr
+    assert proc.stderr.count("mixprec launch:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) <= 3, proc.stderr
+    assert not (tmp_path / "started").exists()

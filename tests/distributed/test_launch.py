@@ -182,3 +182,87 @@ def test_config_is_checked_once_before_any_rank(tmp_path, args, env, match):
     assert proc.stderr.count("mixprec launch:") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.splitlines()) <= 3, proc.stderr
     assert not (tmp_path / "started").exists()
+
+
+_TWO_NODE_FAULT = """
+import sys, time
+from pathlib import Path
+import torch
+from mixprec import Accelerator
+out = Path(sys.argv[1])
+acc = Accelerator(backend="zero2", mixed_precision="bf16", cpu=True)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 2))
+model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(data, batch_size=4))
+for step, (x, y) in enumerate(loader):
+    if step == 2 and acc.process_index == 1:
+        (out / "fault_at").write_text(repr(time.time()))
+        raise RuntimeError("boom on node 1")
+    acc.backward(torch.nn.functional.mse_loss(model(x), y))
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def _two_launchers(tmp_path, script: str, extra=(), timeout=90):
+    """Start `mixprec launch --nnodes 2 --node-rank {0,1} --nproc-per-node 1` on loopback;
+    return [(returncode, stderr, time it ended)] for nodes 0 and 1."""
+    port = str(free_port())
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, *extra]
+    procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), script,
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (0, 1)]
+    ended = [None, None]
+    deadline = time.time() + timeout
+    try:
+        while None in ended and time.time() < deadline:
+            for n, p in enumerate(procs):
+                if ended[n] is None and p.poll() is not None:
+                    ended[n] = time.time()
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, p.communicate()[1], t) for p, t in zip(procs, ended)]
+
+
+def test_failure_on_node_1_reaches_both_launchers(tmp_path):
+    """Issue 29, point 2: rank 1 (node 1) raises inside a zero2 loop while rank 0 waits in
+    the gradient reduction. Both launchers print the real exception (type, message, frames,
+    rank and node) as the cause within 10 s; node 0 blames no collective."""
+    script = tmp_path / "train.py"
+    script.write_text(_TWO_NODE_FAULT)
+    results = _two_launchers(tmp_path, str(script))
+    fault_at = float((tmp_path / "fault_at").read_text())
+    for node, (rc, err, ended) in enumerate(results):
+        assert rc == 1, (node, err)
+        assert ended is not None and ended - fault_at < SUPERVISION_BOUND_S, (node, ended, fault_at, err)
+        cause = err.index("[mixprec launch] FAILED: rank 1 failed first (node 1, local rank 0, pid ")
+        tail = err[cause:]
+        assert 'File "' in tail and "train.py\", line 15, in <module>" in tail, err
+        assert "RuntimeError: boom on node 1" in tail, err
+        assert "collective desync" not in err, err
+    node0 = results[0][1]
+    assert "node 0: rank 1 (node 1, local rank 0, pid" in node0 and "raised RuntimeError: boom on node 1 first; " \
+        "stopping this node's ranks" in node0, node0
+
+
+def test_a_lone_node_says_what_it_waits_for_and_gives_up(tmp_path):
+    """Issue 29, point 3: node 0 started alone (and node 1 started alone, on another port)
+    say what they wait for, at once, and fail clearly at --join-timeout."""
+    (tmp_path / "x.py").write_text("")
+    ports = [str(free_port()), str(free_port())]
+    procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", "--nnodes", "2", "--node-rank", str(n),
+                               "--master-port", ports[n], "--join-timeout", "4", "x.py"], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    errs = [p.communicate(timeout=90)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], errs
+    assert f"[mixprec launch] node 0: waiting for 1 of 2 nodes at 127.0.0.1:{ports[0]} (timeout 4 s, waited " in errs[0]
+    assert f"[mixprec launch] node 1: waiting for node 0: nothing answers there yet at 127.0.0.1:{ports[1]} " \
+           f"(timeout 4 s, waited " in errs[1]
+    for n, err in enumerate(errs):
+        assert (f"FAILED: node {n}: the 2 nodes did not all join at 127.0.0.1:{ports[n]} within --join-timeout 4 s"
+                in err), err
+        assert "Fix: start `mixprec launch` on every node with the same --nnodes 2" in err

@@ -38,6 +38,7 @@ from .errors import NotPreparedError
 from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
+from .progress import Progress
 from .startup import startup_line
 from .step import StepResult
 from .checkpoint.dataloader import ResumableDataLoader
@@ -327,6 +328,7 @@ class Accelerator(AccelerateApi):
         self._load_hooks: dict = {}  # register_load_state_pre_hook
         self._no_sync_depth: dict[int, int] = {}  # id(model) -> open no_sync blocks
         self._trigger = False  # set_trigger / check_trigger
+        self._progress: Optional[Progress] = None  # the running progress() tracker (progress.py)
         # Collective desync detection ([Note: desync detection] in distributed/watchdog.py).
         self._watchdog = desync.Watchdog.create(self.state, cfg.collective_timeout)
 
@@ -627,6 +629,8 @@ class Accelerator(AccelerateApi):
         """``loss.backward()`` with accumulation division (once) and loss scaling. Before
         ``prepare()`` got a model it raises :class:`NotPreparedError`."""
         self._require_prepared("backward(loss)")
+        if self._progress is not None:  # a snapshot, not a read ([Note: progress without host syncs])
+            self._progress.loss_snapshot(loss)
         self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -698,6 +702,23 @@ class Accelerator(AccelerateApi):
     def loss_scale(self) -> Optional[float]:
         scaler = self.engine.scaler
         return None if scaler is None else scaler.scale_value()
+
+    def progress(self, iterable, total: Optional[int] = None, unit: str = "samples", *, desc: str = "train",
+                 bar: Optional[bool] = None, every_s: float = 10.0, file=None) -> Progress:
+        """Iterate ``iterable`` while the main process shows batches done, ``unit`` per
+        second across all ranks (``"samples"``, ``"tokens"`` or ``"batches"``), ETA (from
+        ``total`` batches, default ``len(iterable)``), the last loss given to
+        :meth:`backward` and the skipped steps. A tqdm bar when tqdm is installed (``bar=None``)
+        or asked for (``bar=True``); otherwise (``bar=False``) a plain line every ``every_s``
+        seconds, to ``file`` (default stderr). It reads no device value: no host sync per
+        step ([Note: progress without host syncs] in mixprec/progress.py).
+
+        Example::
+
+            for x, y in accelerator.progress(loader, unit="samples"):
+                ...
+        """
+        return Progress(self, iterable, total=total, unit=unit, desc=desc, bar=bar, every_s=every_s, file=file)
 
     # ------------------------------------------------------------ processes
     def wait_for_everyone(self) -> None:

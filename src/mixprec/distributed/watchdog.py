@@ -500,8 +500,17 @@ class Watchdog:
                 if self.raised:
                     return  # the main thread raised the verdict: the user's code handles it
                 failure = self._peer_failure(store)
-                if failure is not None and not self.raised:
-                    self._stop_for_peer(failure)
+                if failure is not None:
+                    # As with a peer's verdict below: a main thread in a store check raises
+                    # PeerFailedError itself within the timeout; otherwise it may be blocked
+                    # in the backend, waiting for the rank that failed, and cannot raise.
+                    if self.checking and grace_until is None:
+                        grace_until = time.monotonic() + self.timeout_s + 4 * POLL_S + 2.0
+                    if self.raised:
+                        return
+                    if not self.checking or time.monotonic() > grace_until:
+                        self._stop_for_peer(failure)
+                    continue
                 verdict = self._read_verdict(store)
                 if verdict is not None and verdict["origin"] != self.rank:
                     # The main thread raises the verdict itself from a store check (or from

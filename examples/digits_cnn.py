@@ -16,7 +16,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import add_common_arguments, make_accelerator, progress, setup_logging
+from common import add_common_arguments, make_accelerator, setup_logging
 
 logger = setup_logging("digits_cnn")
 
@@ -67,24 +67,25 @@ def main() -> None:
                 accelerator.backend, accelerator.mixed_precision)
 
     loss_fn = nn.CrossEntropyLoss()
-    step, loss = 0, torch.tensor(float("nan"))
-    bar = progress(accelerator, args.steps, "digits")
-    while step < args.steps:
-        for x, y in train_loader:
-            loss = loss_fn(model(x).float(), y)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if step % 50 == 0:
-                logger.info("step %d loss %.4f", step, loss.item())
-            if step == args.steps:
-                break
-    bar.close()
+    loss = torch.tensor(float("nan"))
+
+    def batches():  # as many passes over the data as args.steps needs
+        while True:
+            yield from train_loader
+
+    # accelerator.progress: samples/s over all processes, ETA, loss and skipped steps on
+    # the main process, without reading the loss on the host every step (loss.item() would).
+    for step, (x, y) in enumerate(accelerator.progress(batches(), total=args.steps, desc="digits"), 1):
+        loss = loss_fn(model(x).float(), y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if step % 50 == 0:
+            logger.info("step %d loss %.4f", step, loss.item())
+        if step == args.steps:
+            break
 
     # Accuracy over the whole test set: each process scores its share, gather_for_metrics
     # drops the samples duplicated to even out the shares.

@@ -67,3 +67,26 @@ def test_build_info():
     info = mixprec.build_info()
     assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
     assert info["cuda"] in (True, False)
+
+
+def test_startup_line_names_backend_world_process_group_policy_layout(capsys, monkeypatch):
+    """Issue 29, point 5 on one process: `auto` resolving to single, and zero2 chosen by the
+    environment (over a one-process group: 1 gradient bucket for 2 parameters)."""
+    monkeypatch.delenv("MIXPREC_BACKEND", raising=False)
+    acc = Accelerator(mixed_precision="bf16", cpu=True)
+    acc.prepare(torch.nn.Linear(2, 2))
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("mixprec: backend single (auto: one process); world size 1 (1 node x 1 process); "
+                           "process group none (one process); mixprec policy: mixed_precision='bf16'"), line
+    assert line.endswith("; Linear: no gradient communication") and "\n" not in line
+    assert "Backend: single\nProcess group backend: none (one process)\n" in repr(acc.state)
+    acc.end_training()
+    monkeypatch.setenv("MIXPREC_BACKEND", "zero2")
+    acc = Accelerator(mixed_precision="bf16", cpu=True)
+    acc.prepare(torch.nn.Linear(2, 2))
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("mixprec: backend zero2 (from env MIXPREC_BACKEND); world size 1 (1 node x 1 "
+                           "process); process group gloo; mixprec policy:"), line
+    assert line.endswith("; Linear: 1 gradient bucket(s) (cap 25 MB, first 1 MB)")
+    assert "Backend: zero2\nProcess group backend: gloo\n" in repr(acc.state)
+    acc.end_training()

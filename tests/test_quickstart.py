@@ -1,4 +1,5 @@
-"""docs/quickstart.md's two-process bf16 ZeRO-3 block runs as written (issue 8, point 5).
+"""docs/quickstart.md's command blocks run as written: the two-process bf16 ZeRO-3 block
+(issue 8, point 5) and the parity block with its `mytrain.py` (issue 29, point 7).
 
 The block's set-up lines (`make demo`, `source .venv/bin/activate`) are what got this test
 suite running; the rest is executed verbatim, in a scratch folder, with this interpreter's
@@ -20,13 +21,29 @@ MARKER = "<!-- quickstart:zero3"
 SETUP = ("make demo", "source .venv/bin/activate")
 
 
-def quickstart_commands() -> list[str]:
+def _block(marker: str, lang: str) -> str:
     text = (ROOT / "docs" / "quickstart.md").read_text()
-    start = text.index(MARKER)
-    block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
-    assert block is not None, "the quickstart:zero3 marker must be followed by a ```bash block"
-    lines = [ln.split("#", 1)[0].strip() for ln in block.group(1).splitlines()]
+    start = text.index(marker)
+    block = re.search(rf"```{lang}\n(.*?)```", text[start:], re.S)
+    assert block is not None, f"the {marker} marker must be followed by a ```{lang} block"
+    return block.group(1)
+
+
+def quickstart_commands(marker: str = MARKER) -> list[str]:
+    lines = [ln.split("#", 1)[0].strip() for ln in _block(marker, "bash").splitlines()]
     return [ln for ln in lines if ln and not ln.startswith(SETUP)]
+
+
+def _run_as_written(cmds: list[str], cwd: Path) -> list[str]:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.pop("MIXPREC_CONFIG_FILE", None)
+    outputs = []
+    for cmd in cmds:
+        proc = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        outputs.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, f"{cmd!r} failed:\n{proc.stdout}\n{proc.stderr}"
+    return outputs
 
 
 def test_quickstart_block_is_what_the_readme_points_to():
@@ -40,16 +57,20 @@ def test_quickstart_block_is_what_the_readme_points_to():
 @pytest.mark.slow
 def test_quickstart_zero3_two_processes_bf16(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = dict(os.environ)
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.pop("MIXPREC_CONFIG_FILE", None)
-    outputs = []
-    for cmd in quickstart_commands():
-        proc = subprocess.run(
-            cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
-        outputs.append(proc.stdout + proc.stderr)
-        assert proc.returncode == 0, f"{cmd!r} failed:\n{proc.stdout}\n{proc.stderr}"
+    outputs = _run_as_written(quickstart_commands(), tmp_path)
     explained, launched = outputs[-2], outputs[-1]
     assert "zero3" in explained and "bf16" in explained
     assert "backend zero3" in launched and "2 process" in launched, launched
+
+
+@pytest.mark.slow
+def test_quickstart_parity_block_with_its_mytrain(tmp_path):
+    """`mixprec parity --model mytrain:make_model ...` from the folder holding mytrain.py
+    (it raised ModuleNotFoundError: a console script does not put the current folder on
+    sys.path), and the built-in demo line before it."""
+    (tmp_path / "mytrain.py").write_text(_block("<!-- quickstart:mytrain.py", "python"))
+    cmds = quickstart_commands("<!-- quickstart:parity")
+    assert any("mytrain:make_model" in c and "mytrain:make_batch" in c for c in cmds)
+    demo, mine = _run_as_written(cmds, tmp_path)
+    for out in (demo, mine):
+        assert "single" in out and "ddp" in out and "PASS" in out and "FAIL" not in out, out

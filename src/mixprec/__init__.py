@@ -14,7 +14,7 @@ from . import _torch_guard
 _torch_guard.check()  # before _C is loaded: a mismatched torch is an error, not a crash
 
 from . import _C  # noqa: E402
-from .accelerator import Accelerator
+from .accelerator import Accelerator, StaleGradientsWarning
 from .checkpoint.rotation import ProjectConfiguration
 from .compat import (
     AcceleratorState,
@@ -34,7 +34,9 @@ from .errors import (
     MixprecDtypeError,
     MixprecError,
     NonFiniteGradientsError,
+    NotPreparedError,
     OverflowStormError,
+    PeerFailedError,
     UnitOrderError,
     UnscaledBackwardError,
     UnshardedParameterError,
@@ -63,15 +65,18 @@ __all__ = [
     "MixprecDtypeError",
     "MixprecError",
     "NonFiniteGradientsError",
+    "NotPreparedError",
     "notebook_launcher",
     "NotebookLaunchError",
     "OverflowStormError",
+    "PeerFailedError",
     "parity_check",
     "ParityReport",
     "ParityTolerance",
     "PrecisionPolicy",
     "ProjectConfiguration",
     "ScalerConfig",
+    "StaleGradientsWarning",
     "set_leaf_modules",
     "StepResult",
     "summon_full_params",

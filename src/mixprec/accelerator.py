@@ -9,6 +9,7 @@ import datetime
 import gc
 import logging
 import os
+import warnings
 import weakref
 from typing import Any, Optional, Union
 
@@ -33,10 +34,13 @@ from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
 from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
 from .engines import Engine, gathered, resolve_backend
+from .errors import NotPreparedError
 from .parallel import sequence as sequence_parallel
 from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
 from .policy import PrecisionPolicy, ScalerConfig
+from .progress import Progress
+from .startup import startup_line
 from .step import StepResult
 from .checkpoint.dataloader import ResumableDataLoader
 from .wrappers.dataloader import PreparedDataLoader
@@ -117,7 +121,10 @@ class Accelerator(AccelerateApi):
             whose values differ from the defaults).
         fused_optimizer: step Adam/AdamW/SGD with the C++ fused kernels when eligible.
         step_scheduler_with_optimizer: prepared schedulers follow optimizer steps.
-        log_policy: print the resolved policy once at the first ``prepare()``.
+        log_policy: print the start-up line once, on the main process, at the first
+            ``prepare()`` of a model: backend (and how ``auto`` resolved), world size, nodes,
+            process group, precision policy, gradient buckets or sharding units
+            (mixprec/startup.py).
         engine_options: options of the selected backend (its config block), e.g. for
             ``"ddp"``: ``bucket_cap_mb``, ``first_bucket_cap_mb``, ``find_unused_parameters``,
             ``broadcast_buffers``.
@@ -329,6 +336,7 @@ class Accelerator(AccelerateApi):
         self._load_hooks: dict = {}  # register_load_state_pre_hook
         self._no_sync_depth: dict[int, int] = {}  # id(model) -> open no_sync blocks
         self._trigger = False  # set_trigger / check_trigger
+        self._progress: Optional[Progress] = None  # the running progress() tracker (progress.py)
         # Collective desync detection ([Note: desync detection] in distributed/watchdog.py).
         self._watchdog = desync.Watchdog.create(self.state, cfg.collective_timeout)
         if self._watchdog is not None:
@@ -436,11 +444,9 @@ class Accelerator(AccelerateApi):
     def prepare_model(self, model: nn.Module) -> nn.Module:
         if isinstance(model, PreparedOptimizer):
             raise TypeError("prepare_model() got an optimizer")
-        if self._log_policy and not self._policy_logged:
-            self.print(self.policy.describe())
-            self._policy_logged = True
         if is_prepared(model) and model in self._models:
             return model
+        _clear_stale_grads(model)
         checkpointed = act_ckpt.plan(model, self.config.config.activation_checkpointing, self.engine)
         if self._ulysses is not None:
             sequence_parallel.check_model(model)
@@ -453,6 +459,9 @@ class Accelerator(AccelerateApi):
             sequence_parallel.prepare_model(model, self._ulysses)
         act_ckpt.apply(checkpointed)  # after the engine: [Note: checkpointing by class swap]
         self._models.append(model)
+        if self._log_policy and not self._policy_logged:
+            self.print(startup_line(self, model), flush=True)  # mixprec/startup.py
+            self._policy_logged = True
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
@@ -690,13 +699,27 @@ class Accelerator(AccelerateApi):
         steps = self.gradient_state.accumulation_steps
         return loss / steps if steps > 1 else loss
 
+    def _require_prepared(self, call: str) -> None:
+        if not self._models:
+            raise NotPreparedError(
+                f"accelerator.{call} was called before accelerator.prepare() got a model: its gradients "
+                f"would sit in plain .grad tensors outside the engine and flow into the first real "
+                f"optimizer step. Fix: call `model, optimizer = accelerator.prepare(model, optimizer)` "
+                f"first, then compute the loss with the prepared model and call accelerator.{call}"
+            )
+
     @desync.tracked("backward")
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``loss.backward()`` with accumulation division (once) and loss scaling."""
+        """``loss.backward()`` with accumulation division (once) and loss scaling. Before
+        ``prepare()`` got a model it raises :class:`NotPreparedError`."""
+        self._require_prepared("backward(loss)")
+        if self._progress is not None:  # a snapshot, not a read ([Note: progress without host syncs])
+            self._progress.loss_snapshot(loss)
         self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``.backward()`` on yourself (accumulation-divided and scaled)."""
+        self._require_prepared("scale(loss)")
         return self.engine.scale_loss(self._divide_for_accumulation(loss))
 
     def unscale_gradients(self, optimizer: Optional[PreparedOptimizer] = None) -> None:
@@ -763,6 +786,23 @@ class Accelerator(AccelerateApi):
     def loss_scale(self) -> Optional[float]:
         scaler = self.engine.scaler
         return None if scaler is None else scaler.scale_value()
+
+    def progress(self, iterable, total: Optional[int] = None, unit: str = "samples", *, desc: str = "train",
+                 bar: Optional[bool] = None, every_s: float = 10.0, file=None) -> Progress:
+        """Iterate ``iterable`` while the main process shows batches done, ``unit`` per
+        second across all ranks (``"samples"``, ``"tokens"`` or ``"batches"``), ETA (from
+        ``total`` batches, default ``len(iterable)``), the last loss given to
+        :meth:`backward` and the skipped steps. A tqdm bar when tqdm is installed (``bar=None``)
+        or asked for (``bar=True``); otherwise (``bar=False``) a plain line every ``every_s``
+        seconds, to ``file`` (default stderr). It reads no device value: no host sync per
+        step ([Note: progress without host syncs] in mixprec/progress.py).
+
+        Example::
+
+            for x, y in accelerator.progress(loader, unit="samples"):
+                ...
+        """
+        return Progress(self, iterable, total=total, unit=unit, desc=desc, bar=bar, every_s=every_s, file=file)
 
     # ------------------------------------------------------------ processes
     def wait_for_everyone(self) -> None:
@@ -995,6 +1035,36 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+
+
+def _clear_stale_grads(model: nn.Module) -> None:
+    """[Note: gradients before prepare()]
+    A backward run before ``prepare()`` (a sanity-check step, a stray ``loss.backward()``)
+    leaves ``.grad`` on the raw parameters. The engines read ``.grad`` as this step's
+    gradient, so it would be added into the first real step (in fp16 without the loss
+    scale's division). ``prepare()`` clears them (``.grad = None``) and warns, naming how
+    many and which: the run then starts from the same state as a clean one, and a script
+    that ran a deliberate check before ``prepare()`` keeps working. They are cleared rather
+    than refused because no engine could use them (they were never scaled, reduced or
+    accumulated under the policy), and mixprec's own ``backward`` before ``prepare()``
+    raises :class:`NotPreparedError` already."""
+    stale = [name for name, p in model.named_parameters() if p.grad is not None]
+    if not stale:
+        return
+    for p in model.parameters():
+        p.grad = None
+    shown = ", ".join(stale[:4]) + (f", ... ({len(stale) - 4} more)" if len(stale) > 4 else "")
+    warnings.warn(
+        f"prepare(): {len(stale)} parameter(s) of {type(model).__name__} already had gradients ({shown}), "
+        f"from a backward run before prepare(); they were cleared (.grad = None) so that they cannot "
+        f"flow into the first optimizer step. Call backward only after prepare() to silence this "
+        f"([Note: gradients before prepare()] in mixprec/accelerator.py)",
+        StaleGradientsWarning, stacklevel=4,
+    )
+
+
+class StaleGradientsWarning(UserWarning):
+    """``prepare()`` cleared gradients a backward before it left on the model's parameters."""
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -19,6 +19,17 @@ def _built_cuda():
     return _build_torch.TORCH_CUDA
 
 
+def _version_line() -> str:
+    """``mixprec 0.1.0 (built against torch 2.13.0+cpu, CUDA kernels: no)``; ``mixprec env``
+    gives the full picture."""
+    import mixprec
+
+    from . import _build_torch
+
+    cuda = "yes" if mixprec.build_info()["cuda"] else "no"
+    return f"mixprec {mixprec.__version__} (built against torch {_build_torch.TORCH_VERSION}, CUDA kernels: {cuda})"
+
+
 def _env() -> int:
     import torch
 
@@ -68,6 +79,8 @@ def _consolidate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line")
+    parser.add_argument("--version", action="version", version=_version_line(),
+                        help="print mixprec's version and the torch it was built against, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("env", help="print versions, build flags and backend availability")
     from .config import commands as config_commands

@@ -90,3 +90,15 @@ class CollectiveMismatchError(MixprecError):
 class CollectiveDesyncError(CollectiveMismatchError):
     """Ranks made different collective calls, passed tensors of different shapes, or one
     did not arrive ([Note: desync detection] in src/mixprec/distributed/watchdog.py)."""
+
+
+class NotPreparedError(MixprecError):
+    """``accelerator.backward(loss)`` (or ``scale``) was called before ``prepare()`` got a
+    model: the gradient would land in plain ``.grad`` tensors, outside the engine, and flow
+    into the first real optimizer step (scaled by 65536 in fp16)."""
+
+
+class PeerFailedError(MixprecError):
+    """Under ``mixprec launch``, another rank (possibly on another node) failed first; its
+    exception was published through the rendezvous store and is quoted in the message
+    (src/mixprec/launch.py, [Note: failures across nodes])."""

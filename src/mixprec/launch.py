@@ -32,7 +32,10 @@ is omitted). mixprec adds supervision on top of the agent:
 * every rank dies with the launcher, whatever ends it (SIGKILL included), see
   ``[Note: ranks die with their launcher]``.
 
-``--config-file`` is handed to the script as the ``MIXPREC_CONFIG_FILE`` environment variable.
+``--config-file`` is handed to the script as the ``MIXPREC_CONFIG_FILE`` environment variable;
+``--backend`` and ``--mixed-precision`` as ``MIXPREC_BACKEND`` and ``MIXPREC_MIXED_PRECISION``.
+The configuration they make (with any ``MIXPREC_*`` variable already set) is resolved once
+in the launcher before any rank starts: a typo or a conflict is one error, and no rank runs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ LAUNCHER_PID_ENV = "MIXPREC_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 KILL_AFTER_S = 5.0  # SIGKILL survivors this long after the first failure
 POLL_S = 0.05
+JOIN_TIMEOUT_S = 600.0  # torchrun's static rendezvous default
+JOIN_REPORT_S = 10.0  # "waiting for 1 of 2 nodes ..." this often while waiting
 _FIRST = "first_failure.json"
 _VERDICT = "desync.json"  # written by the ranks' watchdogs (mixprec/distributed/watchdog.py)
 _STACK_SIGNAL = signal.SIGUSR1
@@ -76,7 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--master-port", "--master_port", type=int, default=None, metavar="P",
                         help="free port on node 0 (required with --nnodes > 1; picked on one node)")
     parser.add_argument("--config-file", default=None, metavar="F",
-                        help=f"config file passed to the script as ${CONFIG_FILE_ENV}")
+                        help=f"config file passed to the script as ${CONFIG_FILE_ENV} (checked before any rank starts)")
+    parser.add_argument("--backend", default=None, metavar="B",
+                        help="backend for every rank (auto, single, ddp, zero1, zero2, zero3, fsdp), handed to the "
+                             "ranks as $MIXPREC_BACKEND")
+    parser.add_argument("--mixed-precision", "--mixed_precision", default=None, metavar="P",
+                        help="precision for every rank (no, bf16, fp16, ...), handed to the ranks as "
+                             "$MIXPREC_MIXED_PRECISION")
+    parser.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT_S, metavar="S",
+                        help=f"with --nnodes > 1: give up when the other nodes have not joined within S seconds "
+                             f"(default {JOIN_TIMEOUT_S:g}); while waiting, the launcher says every "
+                             f"{JOIN_REPORT_S:g} s how many nodes are missing")
     parser.add_argument("--kill-after", type=float, default=KILL_AFTER_S, metavar="S",
                         help=f"SIGKILL ranks still alive S seconds after the first failure (default {KILL_AFTER_S})")
     parser.add_argument("script", help="the training script")
@@ -98,12 +113,45 @@ def _validate(args: argparse.Namespace) -> None:
         )
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise SystemExit(f"mixprec launch: --master-port {args.master_port} must be in 1..65535")
+    if not args.join_timeout >= 1:
+        raise SystemExit(f"mixprec launch: --join-timeout {args.join_timeout:g} must be >= 1 second")
     if not 0 < args.kill_after <= 8:
         raise SystemExit(f"mixprec launch: --kill-after {args.kill_after} must be in (0, 8] seconds")
     if not Path(args.script).is_file():
         raise SystemExit(f"mixprec launch: script {args.script!r} does not exist; pass the path of a Python file")
     if args.config_file is not None and not Path(args.config_file).is_file():
         raise SystemExit(f"mixprec launch: --config-file {args.config_file!r} does not exist; pass an existing file")
+
+
+# Launcher flags that are config keys: handed to every rank as the key's MIXPREC_* variable.
+CONFIG_FLAGS = {"backend": "MIXPREC_BACKEND", "mixed_precision": "MIXPREC_MIXED_PRECISION"}
+
+
+def _config_env(args: argparse.Namespace) -> dict[str, str]:
+    """The MIXPREC_* variables this launch hands to its ranks, after checking the whole
+    configuration (``--config-file``, the flags, the caller's ``MIXPREC_*`` variables) once,
+    here, with the world size the ranks will see: a typo or a conflict is one error before
+    any rank starts, not one per rank plus a summary and a thread dump."""
+    env: dict[str, str] = {}
+    for flag, name in CONFIG_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        given = os.environ.get(name)
+        if given is not None and given != value:
+            raise SystemExit(f"mixprec launch: --{flag.replace('_', '-')} {value} conflicts with ${name}={given} "
+                             f"in the environment; give the value once (unset {name}, or drop the flag)")
+        env[name] = value
+    if args.config_file is not None:
+        env[CONFIG_FILE_ENV] = str(Path(args.config_file).resolve())
+    from .config import ConfigError, resolve  # torch is imported by the agent anyway
+
+    try:
+        resolve(None, env={**os.environ, **env}, world_size=args.nnodes * args.nproc_per_node)
+    except ConfigError as e:
+        raise SystemExit(f"mixprec launch: error: the configuration the ranks would get is invalid; no rank "
+                         f"was started:\n{e}") from None
+    return env
 
 
 def _free_port() -> int:
@@ -238,9 +286,22 @@ def _worker_main(argv: list[str]) -> None:
     (d / f"rank{rank}.ok").touch()
 
 
+def _job_store():
+    """A client of the rendezvous store (the ranks' MASTER_ADDR:MASTER_PORT, which is the
+    launchers' store under the static rendezvous), or None when it does not answer."""
+    from .distributed import rendezvous
+
+    try:
+        return rendezvous.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s=3.0)
+    except Exception:  # noqa: BLE001 - node 0's launcher may be gone already
+        return None
+
+
 def _worker_failed(d: Path, me: dict, tb: str, exc: BaseException) -> None:
+    from .distributed import rendezvous
+
     record = {k: me[k] for k in ("rank", "local_rank", "node_rank", "pid")}
-    record.update(traceback=tb, reason="raised", time=time.time())
+    record.update(traceback=tb, reason="raised", time=time.time(), type=type(exc).__name__, message=str(exc)[:2000])
     _write_json(d / f"rank{me['rank']}.err", record)
     try:  # torchelastic's own error file, read by the agent's failure report
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -248,38 +309,77 @@ def _worker_failed(d: Path, me: dict, tb: str, exc: BaseException) -> None:
         ErrorHandler().record_exception(exc)
     except Exception:  # noqa: BLE001 - best effort
         pass
-    # A peer that died silently (SIGKILL) a moment ago failed before us: this error is
-    # most likely a consequence (e.g. a collective losing its peer). Give it time to show.
-    # With several dead peers (the agent SIGTERMs the rest after a failure) the launcher
-    # decides which was first, from the agent's exit codes.
     if (d / _VERDICT).exists():  # a desync verdict names who is to blame, in the summary
         print(f"[mixprec launch] rank {me['rank']} stopped after a collective desync verdict; "
               f"the launcher's summary names the rank to blame", file=sys.stderr, flush=True)
         return
+    # [Note: failures across nodes] in mixprec/distributed/rendezvous.py: a failure already
+    # published (by a rank of any node) came first; this error is most likely its
+    # consequence (e.g. a collective losing its peer). A peer of this node that died
+    # silently (SIGKILL) a moment ago also failed before us: give both time to show. With
+    # several dead peers (the agent SIGTERMs the rest after a failure) the launcher decides
+    # which was first, from the agent's exit codes.
+    store = _job_store()
+    published: Optional[dict] = None
     dead: list[dict] = []
     for _ in range(6):
+        try:
+            published = rendezvous.read_failure(store) if store is not None else None
+        except Exception:  # noqa: BLE001 - the store's host went away
+            store = None
+        if published is not None and published["rank"] != me["rank"]:
+            _claim_first(d, published)  # this node's summary prints it as the cause
+            break
         dead = _dead_peers(d, exclude=me["rank"])
         if dead:
             if len(dead) == 1:
-                _claim_first(d, _no_traceback_record(dead[0]))
+                first = _no_traceback_record(dead[0])
+                _claim_first(d, first)
+                published = _publish(store, first)
             break
         time.sleep(POLL_S)
-    if not dead and _claim_first(d, record):
-        print(f"[mixprec launch] rank {me['rank']} failed first (node {me['node_rank']}, local rank "
-              f"{me['local_rank']}, pid {me['pid']}):\n{tb}", file=sys.stderr, end="", flush=True)
-    else:
-        print(f"[mixprec launch] rank {me['rank']} failed after another rank; its traceback is in the "
-              f"launcher's summary", file=sys.stderr, flush=True)
+    if published is None and not dead:
+        rec = rendezvous.failure_record(rank=me["rank"], local_rank=me["local_rank"], node_rank=me["node_rank"],
+                                        pid=me["pid"], exc=exc, traceback_text=tb, reason="raised")
+        published = _publish(store, rec) or rec
+        if published["rank"] == me["rank"] and _claim_first(d, record):
+            print(f"[mixprec launch] rank {me['rank']} failed first (node {me['node_rank']}, local rank "
+                  f"{me['local_rank']}, pid {me['pid']}):\n{tb}", file=sys.stderr, end="", flush=True)
+            return
+    after = f"{rendezvous.describe(published)}" if published is not None else "another rank failed"
+    print(f"[mixprec launch] rank {me['rank']} failed after another rank ({after}); the first failure's "
+          f"traceback is in the launchers' summaries", file=sys.stderr, flush=True)
+
+
+def _publish(store, record: dict) -> Optional[dict]:
+    """Publish ``record`` as the job's first failure; the record that holds, or None
+    without a store."""
+    from .distributed import rendezvous
+
+    if store is None:
+        return None
+    try:
+        return rendezvous.publish_failure(store, record)
+    except Exception:  # noqa: BLE001 - the store's host went away
+        return None
 
 
 # ----------------------------------------------------------------------------- launcher side
 class _Supervisor(threading.Thread):
     """Watches this node's ranks; after the first failure, SIGKILLs survivors in time."""
 
-    def __init__(self, d: Path, kill_after: float) -> None:
+    def __init__(self, d: Path, kill_after: float, store_at: Optional[tuple[str, int]] = None,
+                 node_rank: int = 0) -> None:
         super().__init__(name="mixprec-supervisor", daemon=True)
         self.d = d
         self.kill_after = kill_after
+        # With several nodes: the rendezvous store, where failures are published ([Note:
+        # failures across nodes] in mixprec/distributed/rendezvous.py); None on one node.
+        self.store_at = store_at
+        self.node_rank = node_rank
+        self.store = None
+        self._next_connect = 0.0
+        self.remote: Optional[dict] = None  # another node's failure, once seen
         self.failed_at: Optional[float] = None
         self.killed: list[int] = []
         self.silent: dict[int, tuple[float, dict]] = {}
@@ -291,6 +391,8 @@ class _Supervisor(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.wait(POLL_S):
+            if self.store_at is not None:
+                self._poll_store()
             self.scan()
             if self.failed_at is not None and time.monotonic() - self.failed_at >= self.kill_after:
                 self._kill_survivors()
@@ -301,10 +403,58 @@ class _Supervisor(threading.Thread):
         for info in _dead_peers(self.d, exclude=-1):
             # Re-check: the rank may have written .ok/.err between the two reads.
             if not (self.d / f"rank{info['rank']}.ok").exists() and not (self.d / f"rank{info['rank']}.err").exists():
+                if info["rank"] not in self.silent and self.store is not None and not (self.d / _VERDICT).exists():
+                    _publish(self.store, _no_traceback_record(info))  # the other nodes learn of it
                 self.silent.setdefault(info["rank"], (time.monotonic(), info))
                 self._mark()
         if any(self.d.glob("rank*.err")):
             self._mark()
+
+    def _poll_store(self) -> None:
+        """Read the job's published first failure; one from another node stops this node's
+        ranks and becomes this node's first failure ([Note: failures across nodes])."""
+        from .distributed import rendezvous
+
+        if self.failed_at is not None or (self.d / _FIRST).exists():
+            # This node's first failure is known (and published): nothing more to read. Node
+            # 0's launcher, which hosts the store, may be gone: a client would only retry.
+            self.store_at, self.store = None, None
+            return
+        if self.store is None:
+            # The store exists once the ranks do (the rendezvous made it before starting them).
+            if time.monotonic() < self._next_connect or not any(self.d.glob("rank*.pid")):
+                return
+            try:
+                self.store = rendezvous.connect(*self.store_at, timeout_s=2.0)
+            except Exception:  # noqa: BLE001 - node 0's launcher is gone
+                self._next_connect = time.monotonic() + 1.0
+                return
+        try:
+            record = rendezvous.read_failure(self.store)
+        except Exception:  # noqa: BLE001 - the store's host (node 0's launcher) went away: stop
+            self.store_at, self.store = None, None
+            return
+        if record is None or self.remote is not None or record["node_rank"] == self.node_rank:
+            return
+        self.remote = record
+        _claim_first(self.d, record)
+        print(f"[mixprec launch] node {self.node_rank}: {rendezvous.describe(record)} first; stopping this "
+              f"node's ranks (its traceback follows in the summary)", file=sys.stderr, flush=True)
+        self._mark()  # stacks of this node's ranks (where they were), then SIGKILL after kill_after
+        time.sleep(0.2)  # let faulthandler write them before SIGTERM
+        for info in self._alive():
+            try:
+                os.kill(info["pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def _alive(self) -> list[dict]:
+        out = []
+        for pid_file in self.d.glob("rank*.pid"):
+            info = _read_json(pid_file)
+            if info and _proc_start_time(info["pid"]) == info["start"]:
+                out.append(info)
+        return out
 
     def claim_silent_first(self, exitcodes: dict[int, int]) -> None:
         """Without a claimed first failure, pick the silently dead rank that failed first:
@@ -330,23 +480,19 @@ class _Supervisor(threading.Thread):
 
     def _dump_stacks(self) -> None:
         """Ask every rank still alive for its threads' stacks (faulthandler, rank<r>.stack)."""
-        for pid_file in self.d.glob("rank*.pid"):
-            info = _read_json(pid_file)
-            if info and _proc_start_time(info["pid"]) == info["start"]:
-                try:
-                    os.kill(info["pid"], _STACK_SIGNAL)
-                except ProcessLookupError:
-                    pass
+        for info in self._alive():
+            try:
+                os.kill(info["pid"], _STACK_SIGNAL)
+            except ProcessLookupError:
+                pass
 
     def _kill_survivors(self) -> None:
-        for pid_file in self.d.glob("rank*.pid"):
-            info = _read_json(pid_file)
-            if info and _proc_start_time(info["pid"]) == info["start"]:
-                try:
-                    os.kill(info["pid"], signal.SIGKILL)
-                    self.killed.append(info["rank"])
-                except ProcessLookupError:
-                    pass
+        for info in self._alive():
+            try:
+                os.kill(info["pid"], signal.SIGKILL)
+                self.killed.append(info["rank"])
+            except ProcessLookupError:
+                pass
 
 
 def _stack_of(d: Path, rank: int) -> str:
@@ -408,8 +554,10 @@ def _summary(d: Path, agent_error: Optional[BaseException]) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """Start the job described by parsed ``launch`` arguments; return the exit code."""
     _validate(args)
-    saved = {k: os.environ.get(k) for k in (LAUNCH_DIR_ENV, CONFIG_FILE_ENV, LAUNCHER_PID_ENV)}
+    config_env = _config_env(args)
+    saved = {k: os.environ.get(k) for k in (LAUNCH_DIR_ENV, LAUNCHER_PID_ENV, *config_env)}
     try:
+        os.environ.update(config_env)
         return _run(args)
     finally:  # the agent passes os.environ to the ranks; leave the caller's as it was
         for key, value in saved.items():
@@ -430,8 +578,6 @@ def _run(args: argparse.Namespace) -> int:
         d = Path(tmp)
         os.environ[LAUNCH_DIR_ENV] = str(d)
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-        if args.config_file is not None:
-            os.environ[CONFIG_FILE_ENV] = str(Path(args.config_file).resolve())
         torchrun_argv = [
             f"--nproc-per-node={args.nproc_per_node}",
             f"--nnodes={args.nnodes}",
@@ -439,6 +585,7 @@ def _run(args: argparse.Namespace) -> int:
             f"--master-addr={args.master_addr}",
             f"--master-port={port}",
             "--rdzv-backend=static",
+            f"--rdzv-conf=timeout={int(args.join_timeout)}",
             "--max-restarts=0",
             "--monitor-interval=0.1",
             "-m",
@@ -449,8 +596,16 @@ def _run(args: argparse.Namespace) -> int:
         config, cmd, cmd_args = config_from_args(parse_args(torchrun_argv))
         if hasattr(config, "shutdown_timeout"):
             config.shutdown_timeout = max(1, int(args.kill_after))
-        supervisor = _Supervisor(d, args.kill_after)
+        several = args.nnodes > 1
+        supervisor = _Supervisor(d, args.kill_after, (args.master_addr, port) if several else None, args.node_rank)
         supervisor.start()
+        join_watch = None
+        if several:  # [Note: a launcher that speaks while it waits] in mixprec/distributed/rendezvous.py
+            from .distributed.rendezvous import JoinWatch
+
+            join_watch = JoinWatch(args.master_addr, port, args.node_rank, args.nnodes, args.join_timeout,
+                                   started=lambda: any(d.glob("rank*.pid")), interval_s=JOIN_REPORT_S)
+            join_watch.start()
         agent_error: Optional[BaseException] = None
         stopped_by: Optional[int] = None
         try:
@@ -464,6 +619,17 @@ def _run(args: argparse.Namespace) -> int:
             agent_error = e
         finally:
             supervisor.stop()
+            if join_watch is not None:
+                join_watch.stop()
+        if several and agent_error is not None and not any(d.glob("rank*.pid")) and stopped_by is None:
+            # The rendezvous never completed: no rank of this node started.
+            print(f"[mixprec launch] FAILED: node {args.node_rank}: the {args.nnodes} nodes did not all join at "
+                  f"{args.master_addr}:{port} within --join-timeout {args.join_timeout:g} s ({_first_line(agent_error)}). "
+                  f"Fix: start `mixprec launch` on every node with the same --nnodes {args.nnodes}, "
+                  f"--master-addr and --master-port, each with its own --node-rank 0..{args.nnodes - 1}; check that "
+                  f"node 0's address and port are reachable from this node; or raise --join-timeout",
+                  file=sys.stderr, flush=True)
+            return 1
         exitcodes = {}
         if isinstance(agent_error, ChildFailedError):
             exitcodes = {rank: f.exitcode for rank, f in agent_error.failures.items()}
@@ -482,6 +648,11 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"[mixprec launch] FAILED:\n{agent_error.format_msg()}", file=sys.stderr)
             return 1
         return 0
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

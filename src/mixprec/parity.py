@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -116,7 +118,56 @@ def _default_optimizer(params):
 
 
 def _default_loss(output, target):
+    """[Note: the parity loss] Without ``loss_fn`` (and in ``mixprec parity`` without
+    ``--loss``) every backend and the reference minimise the mean squared error between the
+    model's output and the batch's targets, both taken in fp32:
+    ``mse_loss(model(inputs).float(), targets.float())`` (mean over every element). The
+    targets must have the output's shape: a broadcasting MSE would train on a wrong loss
+    without a word, so :func:`_check_batch` refuses it first."""
     return nn.functional.mse_loss(output.float(), target.float())
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _check_batch(model_fn: Callable, batch_fn: Callable, loss_fn: Callable, world_size: int) -> None:
+    """One fp32 forward in this process on ``batch_fn(0)`` before any rank is spawned, so a
+    batch of the wrong form or shape is named here, once, with the function that made it
+    (instead of one traceback per spawned rank)."""
+    fn = _name(batch_fn)
+    batch = batch_fn(0)
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
+        raise ValueError(f"{fn}(0) returned {type(batch).__name__}{_describe(batch)}; make_batch (--batch) "
+                         f"must return a tuple (inputs, targets) of two tensors, batch dimension first")
+    inputs, targets = batch
+    if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
+        raise ValueError(f"{fn}(0) returned inputs of shape {tuple(inputs.shape)} and targets of shape "
+                         f"{tuple(targets.shape)}; make_batch (--batch) must return both with the same batch "
+                         f"dimension (dim 0), the samples of one global step")
+    if inputs.shape[0] % world_size:
+        raise ValueError(f"{fn}(0) returned a batch of {inputs.shape[0]} samples, which {world_size} processes "
+                         f"cannot split evenly; make_batch (--batch) must return a multiple of {world_size}")
+    model = model_fn()
+    try:
+        with torch.no_grad():
+            output = model(inputs)
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        raise ValueError(f"the model from {_name(model_fn)}() rejected the inputs of {fn}(0) (shape "
+                         f"{tuple(inputs.shape)}, {inputs.dtype}): {str(e).splitlines()[0]}; make_batch "
+                         f"(--batch) must return inputs that model(inputs) accepts") from e
+    if loss_fn is _default_loss and isinstance(output, torch.Tensor) and output.shape != targets.shape:
+        raise ValueError(f"the model's output has shape {tuple(output.shape)} but the targets of {fn}(0) have "
+                         f"shape {tuple(targets.shape)}; make_batch (--batch) must return targets of the "
+                         f"output's shape for the default MSE loss ([Note: the parity loss] in "
+                         f"mixprec/parity.py), or pass loss_fn= (--loss)")
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, (tuple, list)):
+        return " (" + ", ".join(type(x).__name__ for x in obj) + ")"
+    return ""
 
 
 def _run_backend(state, backend, mixed_precision, model_fn, batch_fn, optimizer_fn, loss_fn, steps, seed):
@@ -163,7 +214,10 @@ def parity_check(
 ) -> ParityReport:
     """Run the same loop on each backend (spawning its processes) and compare every step with
     a single-process fp32 run. ``model_fn``, ``batch_fn`` (step -> global ``(inputs,
-    targets)``), ``optimizer_fn`` and ``loss_fn`` must be picklable (module-level)."""
+    targets)``), ``optimizer_fn`` and ``loss_fn`` must be picklable (module-level).
+    ``loss_fn(output, targets)`` defaults to the fp32 MSE ([Note: the parity loss]); the
+    first batch is checked in this process before any rank starts (a wrong shape raises
+    ``ValueError`` naming ``batch_fn``)."""
     from .engines import BACKEND_NAMES, ENGINES
 
     if not isinstance(steps, int) or steps < 1:
@@ -178,6 +232,7 @@ def parity_check(
         tolerance = DEFAULT_TOLERANCES[mixed_precision]
     optimizer_fn = optimizer_fn or _default_optimizer
     loss_fn = loss_fn or _default_loss
+    _check_batch(model_fn, batch_fn, loss_fn, world_size if any(ENGINES[b].distributed for b in backends) else 1)
     common = (model_fn, batch_fn, optimizer_fn, loss_fn, steps, seed)
 
     def run(backend, precision):
@@ -222,7 +277,15 @@ def load_callable(spec: str) -> Callable:
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"{spec!r} is not 'module:function' (e.g. 'mytrain:make_model')")
-    obj = getattr(importlib.import_module(module), name, None)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module.split(".")[0] and e.name != module:
+            raise  # the module exists; something it imports is missing
+        raise ValueError(f"{spec!r}: no module named {module!r} in the current folder ({os.getcwd()}) or on "
+                         f"sys.path; run from the folder holding {module.replace('.', '/')}.py, or add its "
+                         f"folder to PYTHONPATH") from None
+    obj = getattr(imported, name, None)
     if not callable(obj):
         raise ValueError(f"{spec!r}: {module} has no callable {name!r}")
     return obj
@@ -235,7 +298,9 @@ __all__ = ["BackendTrace", "ParityReport", "ParityTolerance", "parity_check"]
 def add_arguments(parser) -> None:
     """Arguments of ``mixprec parity``."""
     parser.add_argument("--model", help="module:function returning the model (default: built-in demo)")
-    parser.add_argument("--batch", help="module:function(step) returning (inputs, targets)")
+    parser.add_argument("--batch", help="module:function(step) returning the global (inputs, targets) of a step")
+    parser.add_argument("--loss", help="module:function(output, targets) returning the loss (default: "
+                                       "mse_loss(output.float(), targets.float()), mean over elements)")
     parser.add_argument("--backends", default="single,ddp", help="comma-separated backends to check")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--mixed-precision", default="bf16")
@@ -246,10 +311,21 @@ def run_cli(args) -> int:
     """Run the check from parsed arguments; exit code 0 when every backend passes."""
     if bool(args.model) != bool(args.batch):
         raise SystemExit("mixprec parity: give both --model and --batch, or neither (built-in demo)")
-    model_fn = load_callable(args.model) if args.model else demo_model
-    batch_fn = load_callable(args.batch) if args.batch else demo_batch
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    report = parity_check(model_fn, batch_fn, backends, steps=args.steps,
-                          mixed_precision=args.mixed_precision, world_size=args.world_size)
+    # `mixprec parity --model mytrain:make_model` names a module of the current folder, as
+    # `python -m` would find it (a console script's sys.path[0] is its bin/ folder instead).
+    # The spawned ranks inherit this sys.path (multiprocessing's spawn preparation data).
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        model_fn = load_callable(args.model) if args.model else demo_model
+        batch_fn = load_callable(args.batch) if args.batch else demo_batch
+        loss_fn = load_callable(args.loss) if args.loss else None
+        backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+        report = parity_check(model_fn, batch_fn, backends, steps=args.steps, loss_fn=loss_fn,
+                              mixed_precision=args.mixed_precision, world_size=args.world_size)
+    except ValueError as e:
+        print(f"mixprec parity: error: {e}", file=sys.stderr)
+        return 2
     print(report.format())
     return 0 if report.passed else 1

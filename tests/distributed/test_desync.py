@@ -338,3 +338,98 @@ def test_launcher_prints_where_the_surviving_ranks_were(tmp_path):
     assert "rank 0 failed first" in err and "ValueError: rank zero fails" in err
     dump = err.split("[mixprec launch] rank 1's threads when the first failure was seen:")[1]
     assert "in stuck_here" in dump and str(script) in dump
+
+
+def _peer_failure_is_quoted_not_blamed(state):
+    """Rank 1 publishes a failure the way `mixprec launch`'s bootstrap does (node 1 raised)
+    and never reaches the gather; rank 0 waits in the gather's store check."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from mixprec import Accelerator, CollectiveDesyncError, PeerFailedError
+    from mixprec.distributed import rendezvous
+    from mixprec.distributed.watchdog import _tcp_address
+
+    acc = Accelerator(cpu=True, log_policy=False, config={"collective_timeout": 2})
+    store = rendezvous.connect(*_tcp_address(dist.distributed_c10d._get_default_store()), timeout_s=10)
+    if state.rank == 1:
+        tb = 'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\nRuntimeError: boom on node 1\n'
+        record = rendezvous.failure_record(rank=1, local_rank=0, node_rank=1, pid=4242,
+                                           exc=RuntimeError("boom on node 1"), traceback_text=tb, reason="raised")
+        assert rendezvous.publish_failure(store, record)["pid"] == 4242
+        store.wait(["rank0_done"], datetime.timedelta(seconds=60))
+        return None
+    start = time.monotonic()
+    try:
+        acc.gather(torch.ones(2))
+    except CollectiveDesyncError as e:  # noqa: F841 - what it used to raise
+        outcome = ("desync", str(e))
+    except PeerFailedError as e:
+        outcome = ("peer", str(e))
+    store.set("rank0_done", "1")
+    return outcome + (time.monotonic() - start,)
+
+
+def test_watchdog_defers_to_a_published_failure():
+    """Issue 29, point 2: a failure published in the rendezvous store (by another node's
+    rank) is quoted as the cause; no collective is blamed and no verdict is written."""
+    from harness import run_distributed
+
+    (kind, message, waited), none = run_distributed(_peer_failure_is_quoted_not_blamed, 2)
+    assert none is None
+    assert kind == "peer", message
+    assert message.startswith("rank 1 (node 1, local rank 0, pid 4242) raised RuntimeError: boom on node 1 first "
+                              "(published through the rendezvous store); rank 0 stopped in gather() at "), message
+    assert "this is not a collective desync" in message and message.endswith("RuntimeError: boom on node 1")
+    assert 'File "train.py", line 9' in message and "blamed" not in message
+
+
+_BLOCKED_IN_BACKEND = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+from mixprec import Accelerator
+from mixprec.distributed import rendezvous
+from mixprec.distributed.watchdog import _tcp_address
+acc = Accelerator(backend="zero2", cpu=True, log_policy=False, config={"collective_timeout": 60})
+model = torch.nn.Linear(4, 2)
+model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+if acc.process_index == 1:
+    store = rendezvous.connect(*_tcp_address(dist.distributed_c10d._get_default_store()), timeout_s=10)
+    rendezvous.publish_failure(store, rendezvous.failure_record(
+        rank=1, local_rank=0, node_rank=1, pid=os.getpid(), exc=ValueError("boom on node 1"),
+        traceback_text=None, reason="raised"))
+    time.sleep(60)  # never reaches the backward's reduction; the test kills it
+acc.backward(model(torch.ones(3, 4)).sum())  # zero2: waits in the gradient reduction for rank 1
+print("NOT REACHED", flush=True)
+"""
+
+
+def test_watchdog_thread_ends_a_rank_blocked_on_a_failed_peer(tmp_path):
+    """The thread path: rank 0 is blocked inside the backend (no store check to raise from),
+    collective_timeout is 60 s; its watchdog reads the published failure at its next poll
+    and ends the rank with exit code 88, quoting the failure, not blaming a collective."""
+    script = tmp_path / "blocked.py"
+    script.write_text(_BLOCKED_IN_BACKEND)
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env.pop("MIXPREC_LAUNCH_DIR", None)
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        out0 = procs[0].communicate(timeout=BOUND_S)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 88, out0  # mixprec.distributed.watchdog.PEER_FAILED_EXIT_CODE
+    assert ("[mixprec rank 0] stopping (exit code 88): rank 1 (node 1, local rank 0, pid "
+            in out0 and ") raised ValueError: boom on node 1 first" in out0), out0
+    assert "collective desync" not in out0 and "NOT REACHED" not in out0

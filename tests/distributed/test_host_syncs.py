@@ -2,7 +2,10 @@
 src/mixprec/engines/base.py), on every backend, in bf16 and fp16, and crosses into C++ a
 bounded number of times. Counted with src/mixprec/diagnostics/syncs.py; the skip and
 overflow outcomes are still right (checked by reading the lazy results afterwards), and a
-prepared warmup scheduler holds on the skipped step."""
+prepared warmup scheduler holds on the skipped step. The measured steps run under
+``accelerator.progress`` (plain lines in bf16, a tqdm bar in fp16, both refreshed every
+step), which must add no host read either ([Note: progress without host syncs] in
+src/mixprec/progress.py)."""
 
 import pytest
 
@@ -21,6 +24,8 @@ MAX_CROSSINGS = {"single": (2, 3), "ddp": (3, 4), "zero1": (5, 6), "zero2": (5, 
 
 
 def _count(state, backend, precisions):
+    import io
+
     import torch
 
     from _helpers import loss_fn, make_transformer, transformer_batches
@@ -54,17 +59,20 @@ def _count(state, backend, precisions):
 
         for x, y in batches[:2]:  # the first step creates optimizer state
             step(x, y)
+        shown = io.StringIO()
+        tracker = acc.progress(batches[2:6], bar=precision == "fp16", every_s=0, file=shown)
         with ScalarReads() as reads, Crossings() as calls:
-            for x, y in batches[2:5]:
-                step(x, y)
-            # A step poisoned on the last rank only: skipped everywhere, still no read.
-            step(*batches[5], poison=state.rank == state.world_size - 1)
+            for i, (x, y) in enumerate(tracker):
+                # The last step is poisoned on the last rank only: skipped everywhere, still no read.
+                step(x, y, poison=i == 3 and state.rank == state.world_size - 1)
         out[precision] = {
             "reads": dict(reads.by_op), "crossings": calls.count / 4,
             "outcomes": [(r.stepped, r.reason) for r in results],
             "skipped": acc.skipped_steps,
             "step_calls": step_calls[2:],
             "lr_held": lrs[-1] == lrs[-2] and lrs[-2] > lrs[-3],
+            "progress": shown.getvalue().replace("\r", "\n").strip().splitlines()[-1:],
+            "progress_samples": tracker.items * tracker.world,
         }
     return out
 
@@ -84,3 +92,11 @@ def test_no_host_read_per_step(backend):
             assert got["outcomes"] == [(True, "ok")] * 5 + [(False, skip)], (rank, precision)
             assert got["skipped"] == 1
             assert got["lr_held"]
+            # The tracker (main process only) counted every rank's samples and saw the skip.
+            assert got["progress_samples"] == 4 * 8 * world  # 4 batches of 8 samples per rank
+            if rank == 0:
+                last = got["progress"][0]
+                assert ("skipped=1" in last and "4/4" in last) if precision == "fp16" else \
+                    last.startswith("[mixprec progress] train: done, 4 batches") and last.endswith("skipped 1"), last
+            else:
+                assert got["progress"] == []

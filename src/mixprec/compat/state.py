@@ -22,7 +22,10 @@ from .options import DistributedType
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AcceleratorState(DistributedState):
-    """See the module docstring. ``backend_name`` is mixprec's engine (``"ddp"``, ``"zero3"``...)."""
+    """See the module docstring. ``backend_name`` is mixprec's backend (``"ddp"``, ``"zero3"``...),
+    what ``print(state)`` shows as ``Backend:``; ``backend`` keeps Accelerate's meaning, the
+    process group's backend (``"gloo"``, ``"nccl"``, None on one process), shown as
+    ``Process group backend:``."""
 
     mixed_precision: str = "no"
     backend_name: str = "single"
@@ -77,10 +80,11 @@ class AcceleratorState(DistributedState):
 
     def __repr__(self) -> str:
         return (
-            f"Distributed environment: {self.distributed_type.value}  Backend: {self.backend}\n"
+            f"Distributed environment: {self.distributed_type.value}  Backend: {self.backend_name}\n"
+            f"Process group backend: {self.backend or 'none (one process)'}\n"
             f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
             f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
-            f"Mixed precision type: {self.mixed_precision}\nmixprec engine: {self.backend_name}\n"
+            f"Mixed precision type: {self.mixed_precision}\n"
         )
 
 

@@ -41,6 +41,13 @@ A backend error inside a tracked call (Gloo's "Connection closed by peer" when a
 exited, or its own timeout) is diagnosed the same way before it is re-raised, so uneven
 data ("rank 1's dataloader ran out after 3 batches") is named instead of a socket error.
 
+Under ``mixprec launch`` a rank that raised publishes its exception in the same store
+([Note: failures across nodes] in src/mixprec/distributed/rendezvous.py). A published
+failure of another rank comes first: no verdict is written and no collective is blamed; the
+main thread raises :class:`~mixprec.errors.PeerFailedError` quoting that failure (from a
+check or a backend error), and the watchdog thread, which reads the key at every poll,
+ends a rank blocked in the backend with exit code ``PEER_FAILED_EXIT_CODE`` (88).
+
 Configuration: ``collective_timeout`` (seconds, default 30; null: all of this off), see
 docs/configuration.md. Exit code of a rank stopped by a verdict: ``EXIT_CODE`` (87).
 """
@@ -62,9 +69,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveDesyncError, MixprecError
+from ..errors import CollectiveDesyncError, MixprecError, PeerFailedError
+from . import rendezvous
 
 EXIT_CODE = 87  # a rank stopped by a desync verdict exits with this code
+PEER_FAILED_EXIT_CODE = 88  # a rank stopped because another rank's failure was published
 POLL_S = 0.25  # how often each watchdog thread looks at its rank and at the store
 DEFAULT_TIMEOUT_S = 30.0
 VERDICT_FILE = "desync.json"  # in $MIXPREC_LAUNCH_DIR: the rank the launcher blames
@@ -348,9 +357,26 @@ class Watchdog:
             out["stack"] = _main_stack()
         return out
 
+    def _peer_failure(self, store) -> Optional[dict]:
+        """Another rank's published failure, or None."""
+        record = rendezvous.read_failure(store)
+        return record if record is not None and record["rank"] != self.rank else None
+
+    def _peer_failed_text(self, record: dict) -> str:
+        where = f"{self.call}() at {_where(self.frame)}" if self.call is not None else "its training loop"
+        tb = (record.get("traceback") or "").rstrip()
+        return (f"{rendezvous.describe(record)} first (published through the rendezvous store); rank "
+                f"{self.rank} stopped in {where} as a consequence: this is not a collective desync, fix "
+                f"rank {record['rank']}'s error" + (f":\n{tb}" if tb else ""))
+
     def diagnose(self, store, waiting_check: bool = False, error: Optional[str] = None) -> Optional[dict]:
         """Ask every rank for its status through the store and publish a verdict; returns it
-        (None when the wait is legitimate: every missing rank is in main_process_first)."""
+        (None when the wait is legitimate: every missing rank is in main_process_first).
+        Raises :class:`PeerFailedError` instead when another rank's failure is published."""
+        failure = self._peer_failure(store)
+        if failure is not None:
+            self.raised = True  # the thread stops watching: the raise is the report
+            raise PeerFailedError(self._peer_failed_text(failure))
         existing = self._read_verdict(store)
         if existing is not None:
             return existing
@@ -463,6 +489,8 @@ class Watchdog:
                 self._settle(verdict, store)
         except CollectiveDesyncError:
             raise
+        except PeerFailedError as peer:
+            raise peer from e
         except Exception:  # noqa: BLE001 - no store: the original error stands
             return
         if verdict is not None:
@@ -480,6 +508,18 @@ class Watchdog:
             try:
                 if self.raised:
                     return  # the main thread raised the verdict: the user's code handles it
+                failure = self._peer_failure(store)
+                if failure is not None:
+                    # As with a peer's verdict below: a main thread in a store check raises
+                    # PeerFailedError itself within the timeout; otherwise it may be blocked
+                    # in the backend, waiting for the rank that failed, and cannot raise.
+                    if self.checking and grace_until is None:
+                        grace_until = time.monotonic() + self.timeout_s + 4 * POLL_S + 2.0
+                    if self.raised:
+                        return
+                    if not self.checking or time.monotonic() > grace_until:
+                        self._stop_for_peer(failure)
+                    continue
                 verdict = self._read_verdict(store)
                 if verdict is not None and verdict["origin"] != self.rank:
                     # The main thread raises the verdict itself from a store check (or from
@@ -504,7 +544,10 @@ class Watchdog:
                 due = self.since + self.timeout_s if self.seq != diagnosed[0] else diagnosed[1]
                 if self.call is not None and not self.checking and not self.long_body and now > due:
                     diagnosed = (self.seq, now + self.timeout_s)  # again a timeout later
-                    verdict = self.diagnose(store)
+                    try:
+                        verdict = self.diagnose(store)
+                    except PeerFailedError:
+                        self._stop_for_peer(self._peer_failure(store))
                     if verdict is not None:
                         self._die(verdict, store)
             except Exception:  # noqa: BLE001 - the store is gone (its host exited): stop watching
@@ -519,6 +562,15 @@ class Watchdog:
         sys.stdout.flush()
         self._settle(verdict, store)
         os._exit(EXIT_CODE)
+
+    def _stop_for_peer(self, record: dict) -> None:
+        """Another rank's failure was published: end this rank (its main thread may be
+        blocked inside the backend, waiting for the rank that failed), quoting it."""
+        sys.stderr.write(f"[mixprec rank {self.rank}] stopping (exit code {PEER_FAILED_EXIT_CODE}): "
+                         f"{rendezvous.describe(record)} first; its traceback is in the launchers' summaries\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(PEER_FAILED_EXIT_CODE)
 
     # -- wrapping ----------------------------------------------------------------------
     def run(self, name: str, frame, fn: Callable, args: tuple, kwargs: dict,

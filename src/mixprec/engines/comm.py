@@ -90,6 +90,10 @@ class Comm:
     def model_ready(self, model: nn.Module, ctx: "ForwardContext") -> None:
         """The model's forward follows the policy now (``ctx``: its forward context)."""
 
+    def describe_layout(self, model: nn.Module) -> str:
+        """How this backend laid ``model`` out, for the start-up line (mixprec/startup.py)."""
+        return "no gradient communication"
+
     def zero_model_grads(self, model: nn.Module) -> None:
         """``model.zero_grad()`` on a prepared model: drop what the comm holds for it."""
 
@@ -204,6 +208,9 @@ class GroupComm(Comm):
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.first_bucket_cap_bytes = int(first_bucket_cap_mb * 2**20)
         self.broadcast_buffers = broadcast_buffers  # rank 0's buffers before every forward
+
+    def _bucket_caps(self) -> str:
+        return f"cap {self.bucket_cap_bytes / 2**20:g} MB, first {self.first_bucket_cap_bytes / 2**20:g} MB"
 
     def start(self, model: nn.Module) -> None:
         start_replicas(model, self.group, self.group_name)

@@ -55,6 +55,10 @@ class DDPComm(GroupComm):
         self._reduced: set[int] = set()  # id() of every tensor whose .grad a reducer fills
         self._reducer_checked = False  # this iteration's reducer checks are in found_inf
 
+    def describe_layout(self, model: nn.Module) -> str:
+        buckets = len(self.reducers[id(model)].bucket_indices())
+        return f"{buckets} gradient bucket(s) ({self._bucket_caps()})"
+
     def prepare_model(self, model: nn.Module, fp32_modules: Sequence[nn.Module]) -> None:
         master_of = self.precision.master_of
         names, params, targets = [], [], []

@@ -161,6 +161,10 @@ class ShardedComm(GroupComm):
         """How the prepared model's forward reads an error (zero1/2: nothing to add)."""
         return None
 
+    def describe_layout(self, model: nn.Module) -> str:
+        buckets = sum(len(c.bucket_indices()) for c in self.cores[id(model)])
+        return f"{buckets} gradient bucket(s) ({self._bucket_caps()})"
+
     def all_cores(self) -> list[_C.ShardedCore]:
         """Every sharding core of every prepared model."""
         return [c for cores in self.cores.values() for c in cores]
@@ -534,6 +538,9 @@ class Zero3Comm(ShardedComm):
             runner.uninstall()
         self.runners.clear()
         super().release()
+
+    def describe_layout(self, model: nn.Module) -> str:
+        return f"{len(self.unit_names(model))} sharding unit(s)"
 
     def unit_names(self, model: nn.Module) -> list[str]:
         """Names of the units of ``model`` holding parameters ("" is the root)."""

@@ -27,7 +27,7 @@ demo: install
 	$(BIN)/python examples/train_transformer.py
 
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # tests/distributed/conftest.py marks every multi-process test `distributed`; `slow` marks the
 # single-process ones that run whole examples, notebooks or benchmarks in subprocesses.

@@ -40,5 +40,6 @@ def startup_line(acc, model: nn.Module) -> str:
         f"{type(model).__name__}: {acc.engine.comm.describe_layout(model)}",
     ]
     if acc.mesh is not None:
-        parts.insert(2, f"tensor parallel: {acc.mesh.describe()}")
+        kind = "sequence parallel" if acc.mesh.sp_size > 1 else "tensor parallel"
+        parts.insert(2, f"{kind}: {acc.mesh.describe()}")
     return "; ".join(parts)

@@ -356,11 +356,22 @@ def _guards(state, save_dir):
             opt.zero_grad()
             if save and step == 1:
                 acc.save_state(save_dir)
+        if not load:  # issue #24: a sharded parameter outside forward, under SP
+            from mixprec import UnshardedParameterError
+
+            weight = model.model.layers[0].self_attn.q_proj.weight
+            try:
+                out["outside"] = f"no error: {float(weight.norm())}"
+            except UnshardedParameterError as e:
+                out["outside"] = str(e)
+            with acc.gathered_parameters(model):
+                out["gathered_norm"] = float(weight.norm())
         return {k: v.clone() for k, v in acc.get_state_dict(model).items()}
 
     straight = run(False, True)
     resumed = run(True, False)
     out["resume"] = all(torch.equal(straight[k], resumed[k]) for k in straight)
+    out["full_norm"] = float(straight["model.layers.0.self_attn.q_proj.weight"].norm())
     gc.collect()
 
     acc = Accelerator(cpu=True, log_policy=False, backend="ddp", config=sp)
@@ -387,7 +398,8 @@ def _guards(state, save_dir):
 
 def test_sp_overflow_checkpoint_masks_errors_and_compile(tmp_path):
     """Under SP=2: fp16 found_inf agreed (an inf on one rank skips the step on both); a
-    zero3 checkpoint resumes bit for bit; a plain PyTorch SDPA module with the user's own
+    zero3 checkpoint resumes bit for bit, and its parameters outside forward raise a named
+    error (issue #24) while gathered_parameters shows the full values; a plain PyTorch SDPA module with the user's own
     loss (``sp_loss``), GQA with fewer key/value heads than ranks, and an HF model with a
     padding mask give one process's gradients (1e-5 relative, fp32); layouts that do not
     divide and attention without SDPA are refused naming the numbers / the module;
@@ -400,6 +412,11 @@ def test_sp_overflow_checkpoint_masks_errors_and_compile(tmp_path):
         assert steps[1][2] and not steps[0][2] and not steps[2][2], steps
         assert scales[1] == scales[0] / 2 and skipped == 1, (scales, skipped)
         assert r["resume"]
+        # Outside forward, zero3's guard names the parameter and the fix; inside the
+        # gathering context the full values are there (the same norm as get_state_dict's).
+        assert "'model.layers.0.self_attn.q_proj.weight'" in r["outside"] \
+            and "gathered_parameters" in r["outside"], r["outside"]
+        assert abs(r["gathered_norm"] - r["full_norm"]) <= 1e-6 * r["full_norm"], (r["gathered_norm"], r["full_norm"])
         for case in ("plain", "mqa", "padding"):
             loss_err, grad_err = r[case]
             assert loss_err <= 1e-6 and grad_err <= 1e-5, (case, r[case])

@@ -31,6 +31,12 @@ makes step times noisy: read the spread printed beside them.
 
     python benchmarks/bench_sp.py                 # all three parts
     python benchmarks/bench_sp.py --quick         # shorter searches, fewer rounds
+
+Activation checkpointing (``--checkpointing-only``; ``--ckpt-seq`` tokens, ``--ckpt-layers``
+decoder layers, SP=2 on 2 ranks, ddp): per-rank step memory (the protocol above) and the
+median step time with every ``LlamaDecoderLayer`` checkpointed whole, selectively (the
+attention and all-to-all outputs kept: mixprec/activation_checkpointing.py, [Note: selective
+checkpointing]) and not at all. The modes run one after the other in the same ranks.
 """
 
 from __future__ import annotations
@@ -54,12 +60,12 @@ from bench_memory import MMAP_THRESHOLD  # noqa: E402
 MIB = 2 ** 20
 
 
-def llama(seq: int, attn: str = "sdpa"):
+def llama(seq: int, attn: str = "sdpa", layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(
-        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=seq, tie_word_embeddings=False, attn_implementation=attn))
 
 
@@ -171,6 +177,67 @@ def _timing_rank(state, seq: int, rounds: int) -> dict:
     return {"losses": losses, "times": times}
 
 
+CKPT_MODES = {
+    "none": None,
+    "whole": {"modules": ["LlamaDecoderLayer"]},
+    "selective": {"modules": ["LlamaDecoderLayer"], "selective": True},
+}
+
+
+def _checkpointing_rank(state, seq: int, layers: int, rounds: int) -> dict:
+    """SP=2: step memory (OS probe, max over ranks) and step time per checkpointing mode."""
+    import torch.distributed as dist
+
+    from mixprec import Accelerator
+
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
+        raise RuntimeError("ranks must start with MALLOC_MMAP_THRESHOLD_=65536 (bench_memory's protocol)")
+    out = {}
+    for mode, ckpt in CKPT_MODES.items():
+        acc = Accelerator(cpu=True, log_policy=False, backend="ddp", activation_checkpointing=ckpt,
+                          config={"sequence_parallel": {"size": 2}})
+        model = llama(seq, layers=layers)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        _train_step(acc, model, opt, 512, 0)  # warm-up: optimizer state, buckets, buffers
+        gc.collect()
+        base = rss_bytes()
+        reset_peak()
+        loss = _train_step(acc, model, opt, seq, 1)
+        grown = torch.tensor((peak_bytes() - base) / MIB)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+        times = []
+        for r in range(rounds):
+            dist.barrier()
+            t0 = time.perf_counter()
+            _train_step(acc, model, opt, seq, 2 + r)
+            times.append(time.perf_counter() - t0)
+        out[mode] = {"step_mib": float(grown), "times": times, "loss": loss}
+        del acc, model, opt
+        gc.collect()
+    return out
+
+
+def measure_checkpointing(seq: int, layers: int, rounds: int) -> dict:
+    from mixprec.distributed.spawn import run_distributed
+
+    from bench_memory import mmap_threshold_env
+
+    with mmap_threshold_env():
+        res = run_distributed(_checkpointing_rank, 2, args=(seq, layers, rounds), timeout=3600)[0]
+    return {m: {"step_mib": r["step_mib"], "loss": r["loss"], "time": _stats(r["times"])} for m, r in res.items()}
+
+
+def report_checkpointing(ck: dict, args) -> None:
+    print(f"\nActivation checkpointing of every LlamaDecoderLayer, SP=2 on 2 ranks, {args.ckpt_seq} tokens, "
+          f"{args.ckpt_layers} layers (step memory max over ranks; time: median of {args.rounds} steps):")
+    none = ck["none"]
+    for mode, r in ck.items():
+        t = r["time"]
+        print(f"  {mode:<10} step memory {r['step_mib']:7.1f} MiB ({r['step_mib'] / none['step_mib']:.2f}x none)   "
+              f"step {t['median'] * 1e3:8.1f} ms ({t['median'] / none['time']['median']:.2f}x none, spread "
+              f"{t['spread']:.0%})   first-step loss {r['loss']:.6f}")
+
+
 def _stats(samples: list) -> dict:
     med = statistics.median(samples)
     return {"median": med, "spread": (max(samples) - min(samples)) / med, "n": len(samples)}
@@ -250,7 +317,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="cap 128 MiB, 4 rounds, table at 4096 tokens")
     ap.add_argument("--timing-only", action="store_true", help="only the step-time comparison")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the raw figures here")
+    ap.add_argument("--checkpointing-only", action="store_true",
+                    help="only the activation-checkpointing comparison (none / whole / selective)")
+    ap.add_argument("--ckpt-seq", type=int, default=8192, help="tokens for the checkpointing comparison")
+    ap.add_argument("--ckpt-layers", type=int, default=8, help="decoder layers for the checkpointing comparison")
     args = ap.parse_args()
+    if args.checkpointing_only:
+        ck = measure_checkpointing(args.ckpt_seq, args.ckpt_layers, args.rounds)
+        report_checkpointing(ck, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"checkpointing": ck, "args": vars(args)}, indent=1))
+        return
     if args.quick:
         args.cap_mib, args.rounds, args.lengths, args.time_seq = 128.0, 4, [4096], 2048
     for seq in args.lengths:

@@ -199,3 +199,85 @@ def test_plain_module_checkpointing_matches_torch_checkpoint():
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip([x.grad] + [p.grad for p in block.parameters()], ref_grads))
     assert isinstance(block, nn.Module) and block.calls == 4
+
+
+# ------------------------------------------------ selective checkpointing, on an HF decoder
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, attn_implementation="sdpa"))
+
+
+def _hf_backward(checkpointing, caplog, **forward_kw):
+    """(loss, gradients, attention kernels run in backward) of one bf16 backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            Count.calls += name.startswith("aten._scaled_dot_product") and "backward" not in name
+            return func(*args, **(kwargs or {}))
+
+    acc = Accelerator(mixed_precision="bf16", cpu=True, backend="single", log_policy=False,
+                      activation_checkpointing=checkpointing)
+    model = acc.prepare(_llama())
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
+    loss = model(input_ids=ids, labels=ids, **forward_kw).loss
+    with Count():
+        acc.backward(loss)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, Count.calls
+
+
+def test_selective_keeps_attention_outputs_and_matches_bitwise(caplog):
+    """selective: the attention kernels are not run again in backward (whole checkpointing
+    runs one per layer), and the gradients equal no checkpointing's bit for bit."""
+    pytest.importorskip("transformers")
+    act_ckpt._warned_cache.clear()
+    loss, grads, calls = _hf_backward(None, caplog)
+    assert calls == 0
+    for spec, recomputed in (({"modules": ["LlamaDecoderLayer"]}, 2),
+                             ({"modules": ["LlamaDecoderLayer"], "selective": True}, 0)):
+        got_loss, got, got_calls = _hf_backward(spec, caplog)
+        assert got_calls == recomputed, (spec, got_calls)
+        assert torch.equal(got_loss, loss)
+        assert all(torch.equal(got[k], v) for k, v in grads.items()), spec
+
+
+def test_kv_cache_is_not_passed_to_checkpointed_layers(caplog):
+    """HF makes an empty cache for every forward with use_cache on: a checkpointed layer gets
+    none (said once, naming the class; selective checkpointing failed on the second append
+    before), use_cache=False is quiet, and a cache that already holds tokens is refused."""
+    pytest.importorskip("transformers")
+    act_ckpt._warned_cache.clear()
+    spec = {"modules": ["LlamaDecoderLayer"], "selective": True}
+    with caplog.at_level("WARNING"):
+        _hf_backward(spec, caplog)
+        _hf_backward(spec, caplog)
+    said = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+    assert len(said) == 1 and "LlamaDecoderLayer is called with an empty KV cache" in said[0], said
+    caplog.clear()
+    act_ckpt._warned_cache.clear()
+    with caplog.at_level("WARNING"):
+        _hf_backward(spec, caplog, use_cache=False)
+    assert not [r for r in caplog.records if "KV cache" in r.getMessage()]
+
+    from transformers import DynamicCache
+
+    model = _llama()
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        prefix = model(input_ids=ids, use_cache=True).past_key_values  # 6 tokens cached
+    acc = Accelerator(cpu=True, backend="single", log_policy=False, activation_checkpointing=spec)
+    model = acc.prepare(model)
+    assert isinstance(prefix, DynamicCache) and prefix.get_seq_length() == 6
+    import warnings
+
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer is called in a training forward with \w+= a KV "
+                                         r"cache that already holds 6 token\(s\)"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames past_key_values to cache
+        model(input_ids=ids, use_cache=True, past_key_values=prefix)

@@ -141,13 +141,10 @@ def test_import_deepspeed_autosp(tmp_path, capsys):
     assert report.refused == ["sequence_parallel_size", "compile.passes"], report.text()
 
 
-def test_selective_activation_checkpointing_is_refused_until_implemented():
-    acc = Accelerator(cpu=True, log_policy=False,
-                      activation_checkpointing={"modules": ["Linear"], "selective": True})
+def test_selective_checkpointing_needs_checkpointed_modules():
+    acc = Accelerator(cpu=True, log_policy=False, activation_checkpointing={"selective": True})
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    with pytest.raises(NotImplementedError, match=r"activation_checkpointing.selective=true \(AutoSP's selective "
-                                                  r"checkpointing: recompute the matmuls, keep the attention outputs\) "
-                                                  r"is not implemented"):
+    with pytest.raises(ConfigError, match=r"activation_checkpointing.selective=true keeps the attention outputs of "
+                                          r"the checkpointed modules, but none is chosen; name them"):
         acc.prepare(model)
-    assert not any("Checkpointed" in type(m).__name__ or hasattr(type(m), "_mixprec_ckpt_original")
-                   for m in model.modules())  # refused before anything changed
+    assert not any(hasattr(type(m), "_mixprec_ckpt_original") for m in model.modules())  # refused before any change

@@ -457,7 +457,8 @@ class Accelerator(AccelerateApi):
         self.engine.prepare_model(model, self._autocast_gate)
         if self._ulysses is not None:
             sequence_parallel.prepare_model(model, self._ulysses)
-        act_ckpt.apply(checkpointed)  # after the engine: [Note: checkpointing by class swap]
+        act_ckpt.apply(checkpointed, self.config.config.activation_checkpointing.selective)  # after the engine:
+        # [Note: checkpointing by class swap] in mixprec/activation_checkpointing.py
         self._models.append(model)
         if self._log_policy and not self._policy_logged:
             self.print(startup_line(self, model), flush=True)  # mixprec/startup.py

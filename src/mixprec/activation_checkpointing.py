@@ -44,18 +44,21 @@ backward would hold all its activations at once, saving nothing at the peak.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from collections.abc import Mapping
 from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .config.fields import ConfigError, block_fields
 from .config.resolve import flatten_object
 from .config.schema import ActivationCheckpointingOptions
 from .engines.units import select_unit_modules
+from .logging import get_logger
 
 ModuleSpec = Sequence[Union[str, type]]
 
@@ -66,18 +69,153 @@ class _CheckpointedForward:
     """Mixin placed in front of a chosen module's class (see [Note: checkpointing by class swap])."""
 
     _mixprec_ckpt_original: type
+    _mixprec_ckpt_selective: bool = False  # set per module by apply()
 
     def forward(self, *args, **kwargs):  # noqa: D401
         forward = super().forward
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to recompute
             return forward(*args, **kwargs)
+        kwargs = _without_kv_cache(self, kwargs)
 
         # Keyword arguments are bound here rather than passed through checkpoint(), whose own
         # keywords (use_reentrant, preserve_rng_state, ...) they could collide with.
         def run(*inputs):
             return forward(*inputs, **kwargs)
 
-        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=_contexts(self._mixprec_ckpt_selective))
+
+
+# [Note: recomputation replays the forward's modes]
+# checkpoint() restores autocast, the RNG states and a device context for the recomputation in
+# backward, and no other torch-function mode. Sequence parallelism runs attention through a
+# mode entered around the prepared model's forward (src/mixprec/parallel/sequence/ulysses.py),
+# which is no longer active in backward: a recomputed attention would attend within the local
+# slice. So every active mode that offers ``recompute_mode()`` gives a copy bound to what this
+# forward saw (the SP group, the batch's whole padding mask), entered around the recomputation.
+def _replayed_modes() -> list[Any]:
+    return [m.recompute_mode() for m in _get_current_function_mode_stack() if hasattr(m, "recompute_mode")]
+
+
+class _Entered:
+    """Enters several context managers (innermost last) as one."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self.contexts = contexts
+        self.stack: Optional[contextlib.ExitStack] = None
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        for c in self.contexts:
+            self.stack.enter_context(c)
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
+# [Note: selective checkpointing]
+# ``selective: true`` (AutoSP's): in a chosen module the outputs of the attention kernels
+# (every aten SDPA backend: flash, efficient, cuDNN, the CPU flash kernel) and of the
+# functional all-to-alls (sequence parallelism's exchanges around attention) are kept from the
+# forward; everything else (the projections' matmuls, norms, activations, RoPE) is recomputed
+# in backward. The attention's cost is quadratic in the sequence and its output is one
+# activation per layer, so keeping it costs little memory and saves most of the recompute
+# time; keeping the all-to-all outputs means the recomputation sends nothing. Torch's
+# selective-checkpoint contexts do the bookkeeping: the forward records each op's output or
+# "recompute", and the recomputation hands back the kept outputs in order. The attention
+# math fallback (``_scaled_dot_product_attention_math``, taken e.g. for an fp32 mask with
+# dropout) is a composite of ordinary ops and is recomputed like them.
+_KEPT_OP_NAMES = (
+    ("aten", "_scaled_dot_product_flash_attention"),
+    ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+    ("aten", "_scaled_dot_product_efficient_attention"),
+    ("aten", "_scaled_dot_product_cudnn_attention"),
+    ("aten", "_scaled_dot_product_fused_attention_overrideable"),
+    ("aten", "_flash_attention_forward"),
+    ("aten", "_efficient_attention_forward"),
+    ("_c10d_functional", "all_to_all_single"),
+    ("_c10d_functional_autograd", "all_to_all_single"),
+)
+_KEPT_OPS: Optional[frozenset] = None
+
+
+def kept_ops() -> frozenset:
+    """The op overloads whose outputs selective checkpointing keeps ([Note: selective checkpointing])."""
+    global _KEPT_OPS
+    if _KEPT_OPS is None:
+        ops = set()
+        for namespace, name in _KEPT_OP_NAMES:
+            packet = getattr(getattr(torch.ops, namespace, None), name, None)
+            if packet is not None:
+                ops.update(getattr(packet, o) for o in packet.overloads())
+        _KEPT_OPS = frozenset(ops)
+    return _KEPT_OPS
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _contexts(selective: bool):
+    """checkpoint()'s ``context_fn``: the forward and recomputation contexts of one call."""
+
+    def context_fn():
+        replayed = _replayed_modes()
+        if selective:
+            forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_policy)
+            return forward_ctx, _Entered(*replayed, recompute_ctx)
+        return contextlib.nullcontext(), _Entered(*replayed)
+
+    return context_fn
+
+
+# [Note: no KV cache under checkpointing]
+# A decoder layer handed a KV cache (Hugging Face models make an empty DynamicCache for every
+# forward while ``use_cache`` is on, training included) appends its keys and values to it; the
+# recomputation in backward would append them a second time, and then attend over twice the
+# keys (selective checkpointing refuses the mismatch, whole-module checkpointing recomputes a
+# different graph). As Hugging Face's own gradient checkpointing does, a checkpointed module
+# in a training forward gets no cache: an empty cache changes nothing in its output. A cache
+# that already holds tokens (prefix tuning, a continued generation) would, so it is refused.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+_warned_cache: set[type] = set()
+
+
+def _cached_tokens(cache: Any) -> int:
+    length = getattr(cache, "get_seq_length", None)
+    if callable(length):
+        return int(length())
+    if isinstance(cache, (tuple, list)):  # legacy per-layer (key, value) tuples
+        return max((t.shape[-2] for t in cache if isinstance(t, torch.Tensor) and t.dim() >= 2), default=0)
+    return 0
+
+
+def _without_kv_cache(module: nn.Module, kwargs: dict) -> dict:
+    given = [k for k in _CACHE_KWARGS if kwargs.get(k) is not None]
+    if not given:
+        return kwargs
+    cls = type(module).__name__
+    for k in given:
+        n = _cached_tokens(kwargs[k])
+        if n:
+            raise ValueError(
+                f"activation checkpointing: {cls} is called in a training forward with {k}= a KV cache that "
+                f"already holds {n} token(s); its recomputation in backward would append to the cache again. "
+                f"Do not checkpoint {cls} (activation_checkpointing.modules) when training with a filled cache")
+    out = dict(kwargs)
+    for k in given:
+        out[k] = None
+    if "use_cache" in out:
+        out["use_cache"] = False
+    if type(module) not in _warned_cache:
+        _warned_cache.add(type(module))
+        get_logger(__name__).warning(
+            "activation checkpointing: %s is called with an empty KV cache (%s) in a training forward; "
+            "checkpointed modules get none (recomputation in backward would write it twice), as with "
+            "Hugging Face's gradient checkpointing. Pass use_cache=False to the model to silence this.",
+            cls, ", ".join(given))
+    return out
 
 
 def _checkpointed_class(cls: type) -> type:
@@ -146,11 +284,13 @@ def select_modules(
     return out
 
 
-def apply(modules: list[tuple[str, nn.Module]]) -> None:
-    """Checkpoint the forward of each module (idempotent); state_dict keys do not change."""
+def apply(modules: list[tuple[str, nn.Module]], selective: bool = False) -> None:
+    """Checkpoint the forward of each module (idempotent); state_dict keys do not change.
+    ``selective``: keep the attention and all-to-all outputs ([Note: selective checkpointing])."""
     for _, m in modules:
         if not isinstance(m, _CheckpointedForward):
             m.__class__ = _checkpointed_class(type(m))
+        m._mixprec_ckpt_selective = bool(selective)
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -158,6 +298,7 @@ def remove(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if "_mixprec_ckpt_original" in type(m).__dict__:
             m.__class__ = type(m)._mixprec_ckpt_original
+            m.__dict__.pop("_mixprec_ckpt_selective", None)
     return model
 
 
@@ -194,15 +335,6 @@ def plan(model: nn.Module, options: ActivationCheckpointingOptions, engine: Any)
     """The modules of ``model`` that ``options`` checkpoint under ``engine`` (before the
     engine prepares the model, so a bad value leaves the model untouched)."""
     units = None
-    if options.selective:
-        # torch's selective checkpointing (create_selective_checkpoint_contexts, attention
-        # outputs MUST_SAVE, the rest recomputed) fails on a Hugging Face Llama decoder layer
-        # under torch 2.13 ("aten.slice.Tensor invocation ... not found in storage" in
-        # backward); it is not offered until it can be tested to give the same gradients.
-        raise NotImplementedError(
-            "activation_checkpointing.selective=true (AutoSP's selective checkpointing: recompute the "
-            "matmuls, keep the attention outputs) is not implemented; checkpoint whole modules instead "
-            "(activation_checkpointing.modules / units, selective: false)")
     if options.units:
         spec = getattr(engine.comm, "units_spec", None)
         if spec is None:
@@ -220,4 +352,10 @@ def plan(model: nn.Module, options: ActivationCheckpointingOptions, engine: Any)
                 f"{engine.name}.units to its layer classes (its module classes are {classes}) or name "
                 "activation_checkpointing.modules"
             )
-    return select_modules(model, options.modules, units)
+    chosen = select_modules(model, options.modules, units)
+    if options.selective and not chosen:
+        raise ConfigError(
+            "activation_checkpointing.selective=true keeps the attention outputs of the checkpointed modules, "
+            "but none is chosen; name them (activation_checkpointing.modules: [<decoder layer class>]) or set "
+            "activation_checkpointing.units: true on zero3/fsdp")
+    return chosen

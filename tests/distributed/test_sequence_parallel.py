@@ -314,6 +314,55 @@ def _errors(acc):
     return out
 
 
+def _checkpointing():
+    """SP=2 with a padding mask, decoder layers checkpointed whole or selectively, against no
+    checkpointing: (bitwise-equal gradients, loss) and, during backward, how many attention
+    kernels and all-to-alls ran (recomputation)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mixprec import Accelerator
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sdpa = self.a2a = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            self.sdpa += name.startswith("aten._scaled_dot_product") and "backward" not in name
+            self.a2a += "all_to_all_single" in name
+            return func(*args, **(kwargs or {}))
+
+    ids, labels = _global_batch(9, 2)
+    mask = torch.ones_like(ids)
+    mask[1, SEQ - 64:] = 0
+    labels = labels.masked_fill(mask == 0, -100)
+    out = {}
+    for backend in ("ddp", "zero3"):
+        grads = {}
+        for mode, ckpt in (("none", None), ("whole", {"modules": ["LlamaDecoderLayer"]}),
+                           ("selective", {"modules": ["LlamaDecoderLayer"], "selective": True})):
+            acc = Accelerator(cpu=True, log_policy=False, backend=backend, activation_checkpointing=ckpt,
+                              config={"sequence_parallel": {"size": 2}})
+            model = acc.prepare(_model())
+            batch = acc.prepare_sp_inputs(input_ids=ids, labels=labels, attention_mask=mask)
+            loss = model(**batch).loss
+            with Count() as count:
+                acc.backward(loss)
+            if backend == "zero3":  # the reduced gradient shards: bitwise across modes
+                got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            else:
+                got = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads[mode] = got
+            out[(backend, mode)] = (count.sdpa, count.a2a, float(loss.detach()))
+            del acc, model
+        out[(backend, "equal")] = all(
+            set(grads[m]) == set(grads["none"]) and all(torch.equal(grads[m][k], v) for k, v in grads["none"].items())
+            for m in ("whole", "selective"))
+    return out
+
+
 def _guards(state, save_dir):
     import gc
 
@@ -393,6 +442,7 @@ def _guards(state, save_dir):
     compiled = torch.compile(model, backend="eager")(**batch).loss.item()
     out["compile"] = (eager, compiled)
     out["errors"] = _errors(acc)
+    out["checkpointing"] = _checkpointing()
     return out
 
 
@@ -430,4 +480,17 @@ def test_sp_overflow_checkpoint_masks_errors_and_compile(tmp_path):
         assert "module 'mix' (Scores) computes a softmax over a [4, 4] score matrix" in e["softmax"], e["softmax"]
         assert "module 'mix' (SigmoidAttention) ran attention without" in e["silent"], e["silent"]
         assert e["silent_again"] is not None and e["alias"]
+        # Activation checkpointing under SP: recomputation runs the attention over the whole
+        # sequence again (the Ulysses mode is replayed), so both modes give the gradients of no
+        # checkpointing bit for bit; selective keeps the attention and all-to-all outputs, so
+        # its backward runs no attention kernel and only the gradients' all-to-alls.
+        c = r["checkpointing"]
+        for backend in ("ddp", "zero3"):
+            assert c[(backend, "equal")], (backend, c)
+            none, whole, selective = (c[(backend, m)] for m in ("none", "whole", "selective"))
+            assert none[2] == whole[2] == selective[2], c
+            layers = 2
+            assert none[:2] == (0, 4 * layers), none  # q, k, v and output all-to-alls' backward
+            assert whole[:2] == (layers, 8 * layers), whole  # + the forward's, recomputed
+            assert selective[:2] == (0, 4 * layers), selective
     assert results[0]["fp16"][1] == results[1]["fp16"][1]

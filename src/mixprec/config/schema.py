@@ -219,8 +219,8 @@ class ActivationCheckpointingOptions:
     """Selective checkpointing (AutoSP's): in the chosen modules keep the outputs of the
     attention kernels (``scaled_dot_product_attention``) and of sequence parallelism's
     all-to-alls, and recompute everything else (the matmuls, norms, activations) in
-    backward. false: recompute the whole module. Not implemented yet: true raises
-    NotImplementedError at ``prepare()`` (docs/sequence_parallel.md, Limits)."""
+    backward: no attention kernel and no collective runs again. false: recompute the whole
+    module. Needs ``modules`` or ``units`` to choose the modules (docs/backends.md)."""
 
 
 @dataclass(frozen=True, kw_only=True)

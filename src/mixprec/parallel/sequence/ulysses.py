@@ -46,6 +46,7 @@ that made no SDPA call, or a softmax over a ``[..., S/P, S/P]`` score tensor, ra
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Any, Callable, Optional
 
@@ -159,6 +160,12 @@ class _UlyssesMode(TorchFunctionMode):
         super().__init__()
         self.ulysses = ulysses
         self.watch = watch
+
+    def recompute_mode(self) -> "_UlyssesMode":
+        """The mode an activation checkpoint's recomputation in backward runs in: this SP group
+        and the padding mask of the batch this forward saw, unwatched ([Note: recomputation
+        replays the forward's modes] in mixprec/activation_checkpointing.py)."""
+        return _UlyssesMode(copy.copy(self.ulysses), None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -266,6 +266,19 @@ def measure_time(seq: int, rounds: int) -> dict:
     return {"losses": res["losses"], "stats": {n: _stats(t) for n, t in res["times"].items()}}
 
 
+def measure(sps: list, lengths: list, cap_mib: float, start: int, max_seq: int, time_seq: int, rounds: int,
+            ckpt_seq: int, ckpt_layers: int) -> dict:
+    """Every part (what benchmarks/run_all.py records under "sp")."""
+    def keyed(m: dict) -> dict:  # JSON keys: strings
+        return {**m, "at": {str(k): v for k, v in m["at"].items()}, "tried": {str(k): v for k, v in m["tried"].items()}}
+
+    return {"memory": {str(sp): keyed(m) for sp, m in measure_memory(sps, lengths, cap_mib, start, max_seq).items()},
+            "timing": measure_time(time_seq, rounds),
+            "checkpointing": measure_checkpointing(ckpt_seq, ckpt_layers, rounds),
+            "args": {"sps": sps, "lengths": lengths, "cap_mib": cap_mib, "time_seq": time_seq, "rounds": rounds,
+                     "ckpt_seq": ckpt_seq, "ckpt_layers": ckpt_layers, "max_seq": max_seq}}
+
+
 def report(mem: dict, timing: dict, args) -> None:
     if mem:
         _report_memory(mem, args)

@@ -29,6 +29,7 @@ import bench_kernels  # noqa: E402
 import bench_memory  # noqa: E402
 import bench_optimizer_bound  # noqa: E402
 import bench_single  # noqa: E402
+import bench_sp  # noqa: E402
 import bench_zero  # noqa: E402
 from _common import load_average, machine_info, package_version  # noqa: E402
 from _plots import PLOTS, _scaling_names, _scaling_points, write_plots  # noqa: E402
@@ -44,6 +45,8 @@ FULL = {
     "kernels": dict(quick=False, repeats=7),
     "memory": dict(worlds=(2, 4), dim=512, layers=4, batch=4, steps=2),
     "optimizer_bound": dict(dim=1024, layers=4, batch=2, steps=4, rounds=15),
+    "sp": dict(sps=[1, 2, 4], lengths=[4096], cap_mib=128.0, start=1024, max_seq=65536, time_seq=4096, rounds=4,
+               ckpt_seq=8192, ckpt_layers=8),
 }
 QUICK = {
     "single": dict(dim=64, layers=1, batch=4, steps=2, rounds=2, threads=1),
@@ -60,7 +63,10 @@ QUICK = {
     # fully sharded contender of each framework (4 ranks per contender on 2 cores are slow).
     "memory4_contenders": ["mixprec_ddp", "zero3", "torch_ddp", "torch_fsdp2"],
     "optimizer_bound": dict(dim=128, layers=1, batch=2, steps=1, rounds=2),
+    "sp": dict(sps=[1, 2], lengths=[1024], cap_mib=64.0, start=512, max_seq=4096, time_seq=512, rounds=1,
+               ckpt_seq=1024, ckpt_layers=2),
 }
+SECTIONS = ("single", "ddp", "zero", "fsdp", "kernels", "memory", "sp", "optimizer_bound")
 FSDP_CONTENDERS = ["fsdp", "fsdp_keep", "torch_fsdp2", "torch_fsdp2_keep"]  # zero3 is in the ZeRO table
 WORLDS = (1, 2, 4)
 
@@ -69,8 +75,8 @@ def log(msg: str) -> None:
     print(f"[run_all {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def measure_all(sizes: dict) -> dict:
-    """Run every benchmark; the raw results (what results.json holds)."""
+def measure_all(sizes: dict, only: tuple = SECTIONS) -> dict:
+    """Run every benchmark (or the sections in ``only``); the raw results (what results.json holds)."""
     res: dict = {"load_before": load_average(), "timings_s": {}}
     t0 = time.perf_counter()
 
@@ -82,26 +88,35 @@ def measure_all(sizes: dict) -> dict:
         log(f"{key} done in {res['timings_s'][key]:.0f} s")
         return out
 
-    res["single"] = timed("single", lambda: bench_single.measure("bf16", **sizes["single"]))
-    res["ddp"] = timed("ddp", lambda: bench_ddp.measure(2, **sizes["ddp"]))
-    res["zero"] = {}
-    for world in WORLDS:
-        sweep = sizes["zero_sweep"] if world == 2 else ()
-        extra = {"contenders": sizes["zero4_contenders"]} if world == 4 and "zero4_contenders" in sizes else {}
-        res["zero"][str(world)] = timed(f"zero N={world}",
-                                        lambda: bench_zero.measure(world, sweep=sweep, **sizes["zero"], **extra))
-    res["fsdp"] = timed("fsdp", lambda: bench_fsdp.measure(2, only=FSDP_CONTENDERS, **sizes["fsdp"]))
-    res["kernels"] = timed("kernels", lambda: bench_kernels.measure(**sizes["kernels"]))
-    mem = dict(sizes["memory"])
-    res["memory"] = timed("memory N=2", lambda: bench_memory.measure(**{**mem, "worlds": (2,)}))
-    if 4 in mem["worlds"]:
-        four = bench_memory.CONTENDERS if "memory4_contenders" not in sizes else sizes["memory4_contenders"]
-        res4 = timed("memory N=4", lambda: bench_memory.measure(**{**mem, "worlds": (4,)}, contenders=four))
-        res["memory"]["worlds"].update(res4["worlds"])
-        res["memory"]["skipped"].update(res4["skipped"])
-    # Last: it tunes glibc malloc for the rest of the process (bench_optimizer_bound.py).
-    res["optimizer_bound"] = timed("optimizer_bound",
-                                   lambda: bench_optimizer_bound.measure(**sizes["optimizer_bound"]))
+    if "single" in only:
+        res["single"] = timed("single", lambda: bench_single.measure("bf16", **sizes["single"]))
+    if "ddp" in only:
+        res["ddp"] = timed("ddp", lambda: bench_ddp.measure(2, **sizes["ddp"]))
+    if "zero" in only:
+        res["zero"] = {}
+        for world in WORLDS:
+            sweep = sizes["zero_sweep"] if world == 2 else ()
+            extra = {"contenders": sizes["zero4_contenders"]} if world == 4 and "zero4_contenders" in sizes else {}
+            res["zero"][str(world)] = timed(f"zero N={world}",
+                                            lambda: bench_zero.measure(world, sweep=sweep, **sizes["zero"], **extra))
+    if "fsdp" in only:
+        res["fsdp"] = timed("fsdp", lambda: bench_fsdp.measure(2, only=FSDP_CONTENDERS, **sizes["fsdp"]))
+    if "kernels" in only:
+        res["kernels"] = timed("kernels", lambda: bench_kernels.measure(**sizes["kernels"]))
+    if "memory" in only:
+        mem = dict(sizes["memory"])
+        res["memory"] = timed("memory N=2", lambda: bench_memory.measure(**{**mem, "worlds": (2,)}))
+        if 4 in mem["worlds"]:
+            four = bench_memory.CONTENDERS if "memory4_contenders" not in sizes else sizes["memory4_contenders"]
+            res4 = timed("memory N=4", lambda: bench_memory.measure(**{**mem, "worlds": (4,)}, contenders=four))
+            res["memory"]["worlds"].update(res4["worlds"])
+            res["memory"]["skipped"].update(res4["skipped"])
+    if "sp" in only:
+        res["sp"] = timed("sp", lambda: bench_sp.measure(**sizes["sp"]))
+    if "optimizer_bound" in only:
+        # Last: it tunes glibc malloc for the rest of the process (bench_optimizer_bound.py).
+        res["optimizer_bound"] = timed("optimizer_bound",
+                                       lambda: bench_optimizer_bound.measure(**sizes["optimizer_bound"]))
     res["load_after"] = load_average()
     res["total_s"] = time.perf_counter() - t0
     return res
@@ -176,6 +191,59 @@ def write_memory_section(L: list, mem: dict) -> None:
         L.append("")
 
 
+def write_sp_section(L: list, sp: dict) -> None:
+    a = sp["args"]
+    L.append("## Sequence parallelism (`bench_sp.py`)")
+    L.append("")
+    L.append("HF Llama from config (hidden 128, 8 query / 4 key-value heads, vocabulary 4096, sdpa), fp32, ddp, one "
+             "sequence per SP group, Ulysses attention; step memory = OS peak (VmHWM) during one training step minus "
+             "the resident set before it, max over ranks (`MALLOC_MMAP_THRESHOLD_=65536`).")
+    L.append("")
+    mem = sp["memory"]
+    sizes = sorted(mem, key=int)
+    rows = []
+    for seq in a["lengths"]:
+        vals = [mem[s]["at"][str(seq)] for s in sizes]
+        rows.append([str(seq)] + [f"{v:.0f}" for v in vals]
+                    + ([" / ".join(f"{vals[0] / v:.2f}x" for v in vals[1:])] if sizes[0] == "1" else []))
+    L.append("Per-rank step memory (MiB), 2 layers:")
+    L.append("")
+    L.append(_table(["tokens"] + [f"SP={s}" for s in sizes] + (["SP=1 / SP=n"] if sizes[0] == "1" else []), rows))
+    L.append("")
+    L.append(f"Longest sequence that trains under {a['cap_mib']:.0f} MiB of step memory per rank (doubling, then "
+             "bisection to 256 x SP tokens; targets in the table above):")
+    L.append("")
+    L.append(_table(["SP", "longest (tokens)", "measured (tokens: MiB)"],
+                    [[s, str(mem[s]["longest"]) + ("" if mem[s]["capped"] else f" (search stopped at {a['max_seq']})"),
+                      ", ".join(f"{k}: {v:.0f}" for k, v in mem[s]["tried"].items())] for s in sizes]))
+    L.append("")
+    t = sp["timing"]
+    L.append(f"Step time at {a['time_seq']} tokens, SP=2 on 2 ranks, against DeepSpeed's Ulysses "
+             "`DistributedAttention` on the same model and engine (alternating, median of "
+             f"{a['rounds']}):")
+    L.append("")
+    if "error" in t:
+        L.append(f"DeepSpeed's DistributedAttention did not run here: {t['error']}")
+    else:
+        st = t["stats"]
+        L.append(_table(["attention", "step (ms)", "spread"],
+                        [[n, _ms(v["median"]), f"{v['spread']:.0%}"] for n, v in st.items()]))
+        L.append("")
+        L.append(f"mixprec / DeepSpeed: {st['mixprec_ulysses']['median'] / st['deepspeed_distributed_attention']['median']:.3f} "
+                 "(no target: same exchanges, same kernels; read it against the spreads).")
+    L.append("")
+    ck = sp["checkpointing"]
+    none = ck["none"]
+    L.append(f"Activation checkpointing of every `LlamaDecoderLayer`, {a['ckpt_layers']} layers, {a['ckpt_seq']} tokens, "
+             "SP=2 on 2 ranks (the modes run one after the other; the first-step loss is the same in each):")
+    L.append("")
+    L.append(_table(["mode", "step memory (MiB)", "vs none", "step (ms)", "vs none", "spread"],
+                    [[m, f"{r['step_mib']:.1f}", f"{r['step_mib'] / none['step_mib']:.2f}x", _ms(r["time"]["median"]),
+                      f"{r['time']['median'] / none['time']['median']:.2f}x", f"{r['time']['spread']:.0%}"]
+                     for m, r in ck.items()]))
+    L.append("")
+
+
 def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) -> None:
     targets = evaluate(res)
     L: list[str] = []
@@ -187,7 +255,10 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
              + (f" The memory sections (`bench_memory.py`, N=2 and 4) were measured again on "
                 f"{res['memory_remeasured_at']} after a change to the engines' gradient buckets; every "
                 "other section is from the run above." if res.get("memory_remeasured_at") else "")
-             + "".join(f" {note}" for note in res.get("notes", [])))
+             + "".join(f" {note}" for note in res.get("notes", []))
+             + "".join(f" Sections {', '.join(r['sections'])} were measured again on {r['date']} by `{r['command']}` "
+                       f"(load average before {r['load_before'][0]:.2f}, after {r['load_after'][0]:.2f}); every other "
+                       "section is from the runs above." for r in res.get("remeasured", [])))
     L.append("")
     la, lb = res["load_before"], res["load_after"]
     v = info["versions"]
@@ -414,6 +485,8 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
         L.append(_table(["contender"] + [f"{r['params'] / 1e6:.2f}M (dim {r['dim']}, {r['layers']} layers)"
                                          for r in runs2], rows))
         L.append("")
+    if res.get("sp"):
+        write_sp_section(L, res["sp"])
     L.append("## Plots")
     L.append("")
     for png, what in PLOTS.items():
@@ -425,7 +498,9 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
              ", ".join(f"{k} {v:.0f} s" for k, v in res["timings_s"].items()) + ")")
     L.append("- one comparison: `python benchmarks/bench_single.py`, `bench_ddp.py`, `bench_zero.py "
              "[--world-size 4]`, `bench_fsdp.py`, `bench_kernels.py`, `bench_memory.py [--world-size 2 4]` (each "
-             "takes `--quick`).")
+             "takes `--quick`), `bench_sp.py` (sequence parallelism, `--checkpointing-only`).")
+    L.append("- some sections again, the rest kept from results.json: `python benchmarks/run_all.py --only "
+             "SECTION ...` (" + ", ".join(SECTIONS) + ").")
     L.append("")
     (out / "RESULTS.md").write_text("\n".join(L))
 
@@ -437,7 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: benchmarks/, full run only)")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="measure nothing: re-render RESULTS.md and the plots from a results.json of a full run")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=None,
+                    help="measure these sections again and keep every other one from OUT/results.json (a full "
+                         "run's); the report's header says which sections were measured when")
     args = ap.parse_args(argv)
+    if args.only and (args.quick or args.from_json is not None):
+        ap.error("--only re-measures sections of a full run's results.json: not with --quick or --from-json")
     if args.from_json is not None:
         res = json.loads(args.from_json.read_text())
         res["rendered_from_json"] = True
@@ -457,13 +537,30 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/run_all.py" + (" " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
                                                 if (argv or sys.argv[1:]) else "")
     info = machine_info()
-    res = measure_all(QUICK if args.quick else FULL)
-    res["machine"] = info
-    res["command"], res["quick"] = command, args.quick
+    if args.only:
+        prior_path = args.out / "results.json"
+        if not prior_path.exists():
+            ap.error(f"--only keeps the other sections from {prior_path}, which does not exist: run the full "
+                     "`python benchmarks/run_all.py` first")
+        res = json.loads(prior_path.read_text())
+        new = measure_all(FULL, only=tuple(args.only))
+        for section in args.only:
+            res[section] = new[section]
+        res["timings_s"].update(new["timings_s"])
+        res.setdefault("remeasured", []).append({
+            "sections": list(args.only), "date": info["date"], "command": command,
+            "load_before": new["load_before"], "load_after": new["load_after"]})
+        res.pop("rendered_from_json", None)
+        info = res["machine"]
+    else:
+        res = measure_all(QUICK if args.quick else FULL)
+        res["machine"] = info
+        res["command"], res["quick"] = command, args.quick
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
     write_report(res, info, args.out, command, args.quick)
     write_plots(res, args.out)
-    log(f"wrote {args.out / 'RESULTS.md'}, results.json and {len(PLOTS)} plots in {res['total_s'] / 60:.1f} min")
+    log(f"wrote {args.out / 'RESULTS.md'}, results.json and {len(PLOTS)} plots"
+        + ("" if args.only else f" in {res['total_s'] / 60:.1f} min"))
     return 0
 
 

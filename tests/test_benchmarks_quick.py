@@ -68,7 +68,8 @@ def test_quick_run_targets_present_and_verdicts_follow_the_numbers(quick_run):
     expected = ["single: mixprec / plain PyTorch loop", "ddp N=2: mixprec_ddp / torch DDP",
                 "mixprec fsdp / torch torch_fsdp2 ", "mixprec fsdp_keep / torch torch_fsdp2_keep",
                 "fused step speed-up over plain PyTorch",
-                "optimizer-bound step: speed-up of mixprec over plain PyTorch"]
+                "optimizer-bound step: speed-up of mixprec over plain PyTorch",
+                "sequence parallel SP=2: longest sequence under"]  # run_all.QUICK's SP sizes: 1 and 2
     pairs = {"2": [("mixprec_ddp", "torch_ddp"), ("zero3", "torch_fsdp2"), ("fsdp", "torch_fsdp2")],
              "4": [("mixprec_ddp", "torch_ddp"), ("zero3", "torch_fsdp2")]}  # run_all.QUICK's N=4 rows
     if _installed("deepspeed"):  # the quick run measures DeepSpeed's memory at N=2
@@ -192,3 +193,24 @@ def test_verdicts_are_taken_on_the_printed_number():
     assert _shown(1.2496, 2, "lower") == 1.24 and _shown(1.25, 2, "lower") == 1.25
     assert _shown(1.0304, 3, "upper") == 1.031 and _shown(1.03, 3, "upper") == 1.03
     assert _shown(0.99951, 3, "upper") == 1.0 and _shown(0.9990, 3, "upper") == 0.999
+
+
+@pytest.mark.slow
+def test_quick_run_sequence_parallel_section(quick_run):
+    """bench_sp through run_all: step memory per SP size from the OS probe, the cap search, and
+    the three checkpointing modes training the same first step."""
+    _, md, res = quick_run
+    sp = res["sp"]
+    section = md.split("## Sequence parallelism (`bench_sp.py`)")[1].split("\n## ")[0]
+    for s in ("1", "2"):
+        m = sp["memory"][s]
+        assert all(v > 0 and math.isfinite(v) for v in m["tried"].values()), m
+        fits = [int(k) for k, v in m["tried"].items() if v <= sp["args"]["cap_mib"]]
+        assert m["longest"] == max(fits), m  # the longest measured length under the cap
+        assert f"| {s} | {m['longest']}" in section
+    # Half the tokens per rank: less step memory at the same length.
+    assert sp["memory"]["2"]["at"]["1024"] < sp["memory"]["1"]["at"]["1024"], sp["memory"]
+    ck = sp["checkpointing"]
+    assert set(ck) == {"none", "whole", "selective"} and len({r["loss"] for r in ck.values()}) == 1, ck
+    assert all(f"| {mode} |" in section for mode in ck)
+    assert "DistributedAttention" in section

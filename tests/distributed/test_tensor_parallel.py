@@ -7,10 +7,8 @@ clip that engages, on ddp, zero1 and zero2 over the DP group. The reference is p
 PyTorch in one process on the same global batch: the same model from the same seed, the
 same AdamW, ``clip_grad_norm_``, the loss over the whole global batch.
 
-Bounds (issue #25): fp32, 1e-5 relative to each tensor's largest value: a row split sums
-two partial dot products where the whole layer sums one (fp32 rounding, ~1e-7 relative per
-layer), and 6 Adam steps of lr 1e-3 move weights by at most ~6e-3, so the rounding reaches
-the weights scaled down, not up. bf16, 2e-2 relative in norm (||a - b|| / ||b|| per
+Bounds: fp32, as accurate as the one-process fp32 run, both measured against the same
+training in float64 ([Note: the fp32 bound, from float64] below). bf16, 2e-2 relative in norm (||a - b|| / ||b|| per
 tensor): bf16 rounds each rank's partial sum to 8 bits of mantissa before the TP sum, and
 where a gradient element is near zero Adam turns that rounding into a full-size step of
 either sign, element by element; measured here ~6e-3 at most for weights, the same as the
@@ -60,6 +58,8 @@ def _reference(kind: str, mp: str, dp: int) -> tuple[dict, list]:
     import torch
 
     model = _model(kind)
+    if mp == "f64":  # the float64 twin: [Note: the fp32 bound, from float64]
+        model = model.double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     norms = []
     for step in range(STEPS):
@@ -122,12 +122,43 @@ def _rel_norm(a, b) -> float:
 
 
 def _excess(got, ref, fp32_ref) -> float:
-    """fp32: the element-wise relative error (bound 1e-5). bf16: the norm-wise relative
-    error, over the larger of 2e-2 and 1.5x the tensor's own bf16-vs-fp32 distance in one
-    process (bound 1.0: see the module docstring)."""
-    if fp32_ref is None:
-        return _rel(got, ref) / 1e-5
+    """bf16: the norm-wise relative error, over the larger of 2e-2 and 1.5x the tensor's own
+    bf16-vs-fp32 distance in one process (bound 1.0: see the module docstring)."""
     return _rel_norm(got, ref) / max(2e-2, 1.5 * _rel_norm(ref, fp32_ref))
+
+
+# [Note: the fp32 bound, from float64]
+# Two fp32 runs of the same training that sum in different orders (one process against TP or
+# SP slices, micro-batches against one batch) differ by rounding, which Adam amplifies where
+# a gradient element is near zero. How much is a property of this model and these steps, not
+# a constant: measured against the same training in float64 (the same fp32-initialised model
+# converted, the same batches), the one-process fp32 run itself is up to 3e-5 of a tensor's
+# largest value away here, above the 1e-5 this bound once was (it failed when transformers'
+# kernels changed). So an fp32 run is compared with the float64 run, and must be as accurate
+# as the one-process fp32 run, within a factor: over the whole model (the norm of all
+# differences: a stable figure, bound 2x) and in its worst tensor (largest element-wise
+# error, bound 3x: two independent roundings' worst cases differ more). A real error (a
+# token lost at a shard border, a gradient summed twice) is a change of the computation,
+# orders of magnitude above rounding, and the losses and gradient norms are compared at 1e-5.
+FP32_NORM_BOUND, FP32_WORST_BOUND = 2.0, 3.0
+
+
+def _rel64(a, b) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300))
+
+
+def fp32_excess(got: dict, ref32: dict, ref64: dict, keys) -> tuple:
+    """(excess, tensor) of an fp32 run: the larger of its two ratios to their bounds
+    ([Note: the fp32 bound, from float64]); at most 1.0 passes."""
+    keys = list(keys)
+
+    def spread(state):
+        return sum(float((state[k].double() - ref64[k].double()).norm()) ** 2 for k in keys) ** 0.5
+
+    norm_ratio = spread(got) / max(spread(ref32), 1e-300)
+    worst, key = max((_rel64(got[k], ref64[k]), k) for k in keys)
+    worst_ratio = worst / max(max(_rel64(ref32[k], ref64[k]) for k in keys), 1e-300)
+    return max(norm_ratio / FP32_NORM_BOUND, worst_ratio / FP32_WORST_BOUND), key
 
 
 def _loader_batches(tp):
@@ -151,18 +182,19 @@ def _cases(state, cases, tp):
 
     out = {"loader": _loader_batches(tp)}
     dp = dist.get_world_size() // tp
-    refs, fp32_refs = {}, {}
+    refs = {}
     for name, (backend, kind, mp) in cases.items():
-        for m in {mp, "no"}:
+        for m in {mp, "no", "f64"} - {"bf16" if mp == "no" else "f64"}:
             if (kind, m) not in refs:
                 refs[(kind, m)] = _reference(kind, m, dp)
-        fp32_refs[kind] = refs[(kind, "no")][0]
         ref_state, ref_norms = refs[(kind, mp)]
+        fp32_ref = refs[(kind, "no")][0]
         got, norms, plan = _train({"backend": backend}, kind, mp, tp)
         assert set(got) == set(ref_state), (name, sorted(set(got) ^ set(ref_state)))
+        keys = [k for k in ref_state if not k.endswith(_NOISE)]
         out[name] = {
-            "worst": max((_excess(got[k], ref_state[k], None if mp == "no" else fp32_refs[kind][k]), k)
-                         for k in ref_state if not k.endswith(_NOISE)),
+            "worst": (fp32_excess(got, fp32_ref, refs[(kind, "f64")][0], keys) if mp == "no" else
+                      max((_excess(got[k], ref_state[k], fp32_ref[k]), k) for k in keys)),
             "shapes": all(got[k].shape == ref_state[k].shape for k in ref_state),
             "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
             "clipped": min(ref_norms) > MAX_NORM,
@@ -569,15 +601,18 @@ def _guards(state):
 
     # Gradient accumulation and activation checkpointing under TP: the same weights as one
     # process stepping on the whole batch (fp32).
-    ref = _model("llama")
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for step in range(2):
-        ids = _global_batch(step, 2)
-        loss = sum(ref(input_ids=ids[i:i + 2], labels=ids[i:i + 2]).loss for i in (0, 2)) / 2
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    ref_state = ref.state_dict()
+    def reference(double: bool) -> dict:
+        ref = _model("llama").double() if double else _model("llama")
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        for step in range(2):
+            ids = _global_batch(step, 2)
+            loss = sum(ref(input_ids=ids[i:i + 2], labels=ids[i:i + 2]).loss for i in (0, 2)) / 2
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        return ref.state_dict()
+
+    ref_state, ref64 = reference(False), reference(True)
     cfg = {"tensor_parallel": {"size": 2}, "gradient_accumulation_steps": 2,
            "activation_checkpointing": {"modules": ["LlamaDecoderLayer"]}}
     acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend="zero1", config=cfg)
@@ -591,7 +626,7 @@ def _guards(state):
                 opt.step()
                 opt.zero_grad()
     got = acc.get_state_dict(model)
-    out["accumulate_ckpt"] = max((_rel(got[k], ref_state[k]), k) for k in ref_state if not k.endswith(_NOISE))
+    out["accumulate_ckpt"] = fp32_excess(got, ref_state, ref64, [k for k in ref_state if not k.endswith(_NOISE)])
     out["checkpointed"] = sum("Checkpointed" in type(m).__name__ or hasattr(type(m), "_mixprec_ckpt_original")
                               for m in model.modules())
     del acc, model, opt
@@ -602,7 +637,8 @@ def _guards(state):
 def test_overflow_on_one_tp_rank_accumulation_and_checkpointing():
     """fp16 found_inf is agreed over the whole world (an inf in one TP rank's slice skips the
     step everywhere and halves the scale everywhere); gradient accumulation and activation
-    checkpointing under TP give one process's weights (5e-5, fp32)."""
+    checkpointing under TP give one process's weights (fp32, as accurate as one process against
+    float64)."""
     pytest.importorskip("transformers")
     results = run_distributed(_guards, 2, timeout=300)
     for r in results:
@@ -613,10 +649,9 @@ def test_overflow_on_one_tp_rank_accumulation_and_checkpointing():
         layers = 2
         assert r["comm"]["all_reduce_calls"] == (2 * layers + 1) * 2, r["comm"]
         assert r["comm"]["all_gather_calls"] == 1, r["comm"]
-        # Two micro-batch gradients summed vs one backward over both, plus the TP sums: a few
-        # fp32 roundings more than the parity runs (measured 2e-5 of the largest weight,
-        # 1e-6 absolute against Adam steps of 1e-3).
-        assert r["accumulate_ckpt"][0] <= 5e-5, r["accumulate_ckpt"]
+        # Two micro-batch gradients summed vs one backward over both, plus the TP sums: as
+        # accurate as one process, against float64 ([Note: the fp32 bound, from float64]).
+        assert r["accumulate_ckpt"][0] <= 1.0, r["accumulate_ckpt"]
         assert r["checkpointed"] == 2, r["checkpointed"]
     assert results[0]["fp16"][1] == results[1]["fp16"][1]
 

@@ -63,8 +63,8 @@ QUICK = {
     # fully sharded contender of each framework (4 ranks per contender on 2 cores are slow).
     "memory4_contenders": ["mixprec_ddp", "zero3", "torch_ddp", "torch_fsdp2"],
     "optimizer_bound": dict(dim=128, layers=1, batch=2, steps=1, rounds=2),
-    "sp": dict(sps=[1, 2], lengths=[1024], cap_mib=64.0, start=512, max_seq=4096, time_seq=512, rounds=1,
-               ckpt_seq=1024, ckpt_layers=2),
+    "sp": dict(sps=[1, 2], lengths=[512], cap_mib=32.0, start=256, max_seq=2048, time_seq=512, rounds=1,
+               ckpt_seq=512, ckpt_layers=2),
 }
 SECTIONS = ("single", "ddp", "zero", "fsdp", "kernels", "memory", "sp", "optimizer_bound")
 FSDP_CONTENDERS = ["fsdp", "fsdp_keep", "torch_fsdp2", "torch_fsdp2_keep"]  # zero3 is in the ZeRO table

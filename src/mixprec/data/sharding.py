@@ -27,7 +27,15 @@ import math
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from ..distributed.collectives import broadcast_object_list
 from ..distributed.state import DistributedState
@@ -56,9 +64,10 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
 
     The epoch's order comes either from ``shuffle_seed + epoch`` (a seeded shuffle: the
     epoch advances after every complete pass, or is chosen by ``set_epoch``) or from
-    iterating ``sampler`` itself; then, with ``sync``, the generator the sampler draws from
-    is first given rank 0's state, so every rank draws the same order and successive passes
-    draw new ones, as a single process iterating the original loader would.
+    iterating ``sampler`` itself; then, with ``sync``, every rank takes rank 0's order (its
+    generators get rank 0's state, or rank 0 draws the order and sends it: [Note: one pass
+    order on every rank]), and successive passes draw new ones, as a single process
+    iterating the original loader would.
     """
 
     def __init__(
@@ -97,9 +106,7 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         if self.shuffle_seed is not None:
             g = torch.Generator().manual_seed(self.shuffle_seed + self.epoch)
             return torch.randperm(self.total_dataset_length, generator=g).tolist()
-        if self.sync is not None:
-            sync_generators(self.sync, self.sampler)
-        return [int(i) for i in self.sampler]
+        return agreed_pass(self.sync, self.sampler, lambda: [int(i) for i in self.sampler])
 
     @property
     def num_global_batches(self) -> int:
@@ -162,6 +169,45 @@ def find_generators(obj: Any) -> list[torch.Generator]:
     return found
 
 
+# [Note: one pass order on every rank]
+# Sharding is only exact (each sample once per epoch across processes) when every rank
+# shards the *same* pass. A sampler whose whole randomness sits in torch Generators that
+# can be found (a torch Random/WeightedRandom/SubsetRandomSampler with ``generator=``, a
+# BatchSampler over one) is made to agree by giving those generators rank 0's state: each
+# rank then draws rank 0's order itself. Anything else (such a sampler *without* a
+# generator, which draws from each rank's own torch RNG; a custom sampler or batch sampler
+# of unknown make) is drawn on rank 0 only and its pass (the index list, or the list of
+# index batches) is broadcast: one object broadcast per pass, exact whatever the sampler
+# does. Plain lists, ranges and SequentialSamplers are the same on every rank already.
+_GENERATOR_SAMPLERS = (RandomSampler, WeightedRandomSampler, SubsetRandomSampler)
+
+
+def draws_only_from_generators(obj: Any) -> bool:
+    """Whether iterating ``obj`` (a sampler or batch sampler) is decided by fixed data and
+    findable torch Generators alone, so synchronising those generators suffices."""
+    if isinstance(obj, (list, tuple, range)):
+        return True
+    kind = type(obj)
+    if kind is BatchSampler:
+        return draws_only_from_generators(obj.sampler)
+    if kind is SequentialSampler:
+        return True
+    if kind in _GENERATOR_SAMPLERS:
+        return isinstance(obj.generator, torch.Generator)
+    return False
+
+
+def agreed_pass(state: Optional[DistributedState], sampler: Any, draw: Any) -> Any:
+    """``draw()`` (one pass over ``sampler``), the same on every rank of ``state`` (None: no
+    agreement needed). A collective. See [Note: one pass order on every rank]."""
+    if state is None or state.world_size == 1:
+        return draw()
+    if draws_only_from_generators(sampler):
+        sync_generators(state, sampler)
+        return draw()
+    return broadcast_object_list(state, [draw() if state.rank == 0 else None], src=0)[0]
+
+
 def sync_generators(state: DistributedState, sampler: Any) -> None:
     """Give every generator ``sampler`` draws from rank 0's state (a collective)."""
     generators = find_generators(sampler)
@@ -181,8 +227,9 @@ class ShardedBatches(torch.utils.data.Sampler):
     ``even_batches`` a short last batch is completed, and missing last batches are made,
     from the first indices of the pass, so every rank gets the same number of batches of
     ``batch_size``; ``remainder`` is how many samples of the last global step are real.
-    The batch sampler must give the same batches on every rank: the torch Generators it
-    draws from get rank 0's state at the start of each pass (``sync``).
+    Every rank shards the same pass ([Note: one pass order on every rank]): the torch
+    Generators the batch sampler draws from get rank 0's state at the start of each pass,
+    or, when its randomness cannot be found that way, rank 0 draws the pass and sends it.
     """
 
     def __init__(self, batch_sampler: Any, *, rank: int, world_size: int, split_batches: bool,
@@ -220,9 +267,8 @@ class ShardedBatches(torch.utils.data.Sampler):
 
     def _global_steps(self) -> list[list[list[int]]]:
         """The pass as global steps, each a list of ``world_size`` index lists."""
-        if self.sync is not None:
-            sync_generators(self.sync, self.batch_sampler)
-        batches = [[int(i) for i in b] for b in self.batch_sampler]
+        batches = agreed_pass(self.sync, self.batch_sampler,
+                              lambda: [[int(i) for i in b] for b in self.batch_sampler])
         size = self.batch_size or max((len(b) for b in batches), default=0)
         flat = [i for b in batches for i in b]
 
@@ -348,7 +394,9 @@ def shard_dataloader(
     * by default every pass iterates the loader's own sampler, after giving the generator it
       draws from rank 0's state: all ranks see the same order, each pass a new one, and the
       same order a single process iterating the original loader sees (a ``RandomSampler``
-      without a generator gets one, seeded from rank 0's torch RNG);
+      without a generator gets one, seeded from rank 0's torch RNG; a sampler or batch sampler
+      whose randomness is not in a generator it exposes is drawn on rank 0 and sent, see
+      [Note: one pass order on every rank]);
     * with ``seed`` (or ``use_seedable_sampler=True``: ``seed`` is then rank 0's
       ``torch.initial_seed()``), a ``RandomSampler``'s order is ``randperm`` seeded with
       ``seed + epoch``; the epoch advances after each complete pass, ``set_epoch`` sets it.

@@ -437,3 +437,27 @@ def test_prepared_model_pickles_as_the_users_class_and_deepcopies_prepared():
     x = torch.randn(3, 256)
     assert hasattr(twin, "_mixprec_ctx") and twin(x).dtype == torch.float32
     assert torch.equal(twin(x), model(x)) and twin[0].weight is not model[0].weight
+
+
+# ----------------------------------------------------------------------------- pickling
+def test_accelerator_pickles_settings_and_trains_after_unpickling():
+    import pickle
+
+    acc = _acc(mixed_precision="bf16", gradient_accumulation_steps=2, nonfinite_grads="raise")
+    model = torch.nn.Linear(2, 1)
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
+    acc.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 1))
+    again = pickle.loads(pickle.dumps(acc))
+    assert again.state.__dict__ == acc.state.__dict__
+    assert (again.mixed_precision, again.gradient_accumulation_steps, again.backend) == ("bf16", 2, "single")
+    assert again.prepared.models == [] and again._checkpoint_objects == []  # prepared objects are not carried
+    m = torch.nn.Linear(2, 1)
+    m, opt = again.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    assert again.engine.nonfinite_grads == "raise"  # the engine's settings were carried
+    before = m.weight.detach().clone()
+    for _ in range(2):
+        with again.accumulate(m):
+            again.backward(m(torch.ones(2, 2)).sum())
+            opt.step()
+            opt.zero_grad()
+    assert not torch.equal(before, m.weight.detach()) and again.last_step.stepped

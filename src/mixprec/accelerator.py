@@ -21,6 +21,7 @@ from .diagnostics.overflow import OverflowWatch, check_overflow_budget
 from .distributed import collectives
 from .distributed import watchdog as desync
 from .distributed.state import (
+    DetachedGroup,
     DistributedState,
     destroy_distributed,
     init_distributed,
@@ -344,6 +345,93 @@ class Accelerator(AccelerateApi):
             # life of the process (a script or a test that builds several in turn).
             weakref.finalize(self, self._watchdog.abandon)
 
+    # ------------------------------------------------------------ pickling
+    # [Note: pickling an Accelerator]
+    # Accelerate pickles its Accelerator (multiprocessing, notebook paths). A mixprec one
+    # pickles its settings: config, policy, state (its process group by name, see [Note:
+    # pickling a state] in distributed/state.py), dataloader and scheduler options, project
+    # configuration, trigger. The engine (C++ objects bound to the group), the prepared
+    # objects, registered checkpoint objects and hooks, trackers and the desync watchdog are
+    # not pickled: the unpickled Accelerator builds a fresh engine of the same kind at its
+    # first use (a collective on a multi-process group: every rank uses it), prepares anew,
+    # and where its process group does not exist (another job, a process without one) it
+    # raises a RuntimeError naming the fix when it communicates, not when unpickled.
+    _NOT_PICKLED = ("engine", "_engine", "_watchdog", "_models", "_optimizers", "_schedulers", "_dataloaders",
+                    "prepared", "trackers", "_checkpoint_objects", "_save_hooks", "_load_hooks", "_no_sync_depth",
+                    "_progress", "_autocast_gate", "_call_check", "gradient_state", "_ulysses",
+                    "_policy_logged", "_ended")
+
+    def __getstate__(self) -> dict:
+        if self.mesh is not None:
+            raise TypeError(
+                "an Accelerator under tensor or sequence parallelism cannot be pickled: its rank mesh holds "
+                "process subgroups that another process cannot find again; pickle the settings you need instead"
+            )
+        out = {k: v for k, v in self.__dict__.items() if k not in self._NOT_PICKLED}
+        comm_cls, fused, options = self._engine_args
+        out["_engine_args"] = (comm_cls, fused, {k: v for k, v in options.items() if k != "group"})
+        gs = self.gradient_state
+        engine = self.__dict__.get("_engine")
+        out["_unpickled"] = {
+            "accumulation_steps": gs.accumulation_steps, "sync_each_batch": gs.sync_each_batch,
+            "collective_timeout_s": self._call_check.timeout_s,
+            "engine_settings": None if engine is None else (
+                engine.nonfinite_grads, engine.clip_in_step, engine.cache_weight_casts),
+        }
+        return out
+
+    def __setstate__(self, values: dict) -> None:
+        values = dict(values)
+        extra = values.pop("_unpickled")
+        self.__dict__.update(values)
+        self._pending_engine_settings = extra["engine_settings"]
+        self.gradient_state = GradientState(extra["accumulation_steps"])
+        self.gradient_state.sync_each_batch = extra["sync_each_batch"]
+        self._watchdog = None
+        self._ulysses = None
+        self._policy_logged = False
+        self._ended = False
+        self._autocast_gate = AutocastGate()
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self.prepared = PreparedObjects(self._models, self._optimizers, self._schedulers, self._dataloaders)
+        self.trackers, self._checkpoint_objects = [], []
+        self._save_hooks, self._load_hooks, self._no_sync_depth = {}, {}, {}
+        self._progress = None
+        self._call_check = CallCheck(extra["collective_timeout_s"])
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of this Accelerator's backend (built at first use after unpickling)."""
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            engine = self._engine_after_unpickling()
+        return engine
+
+    @engine.setter
+    def engine(self, value: Engine) -> None:
+        self.__dict__["_engine"] = value
+
+    def _engine_after_unpickling(self) -> Engine:
+        if "_engine_args" not in self.__dict__:
+            raise AttributeError("engine: this Accelerator's __init__ did not finish")
+        comm_cls, fused, options = self._engine_args
+        options = dict(options)
+        if comm_cls.distributed:
+            group = self.state.group
+            if isinstance(group, DetachedGroup) or group is None:
+                getattr(group, "rank")  # DetachedGroup: the RuntimeError naming the fix
+                raise RuntimeError(f"this unpickled Accelerator's {comm_cls.name} engine has no process group")
+            options["group"] = group
+        engine = Engine(self.policy, self.device, comm_cls, fused_optimizer=fused, **options)
+        settings = self.__dict__.pop("_pending_engine_settings", None)
+        if settings is not None:
+            engine.set_nonfinite_policy(settings[0])
+            engine.clip_in_step, engine.cache_weight_casts = settings[1], settings[2]
+        self._engine_args = (comm_cls, fused, options)
+        self.engine = engine
+        _LIVE.add(self)
+        return engine
+
     def _renew_engine(self) -> None:
         """free_memory(): a fresh engine of the same kind, the old one's buffers released."""
         comm_cls, fused, options = self._engine_args
@@ -369,7 +457,8 @@ class Accelerator(AccelerateApi):
 
     @property
     def backend(self) -> str:
-        return self.engine.name
+        engine = self.__dict__.get("_engine")  # an unpickled Accelerator builds its engine at first use
+        return engine.name if engine is not None else self._engine_args[0].name
 
     @property
     def gradient_accumulation_steps(self) -> int:

@@ -60,8 +60,6 @@ EXEMPT = {
     "metrics.iterable_dataset": ((1, 2), "asserts the prepared loader is accelerate.data_loader.DataLoaderDispatcher "
                                          "(Accelerate's dispatch_batches class); mixprec's is a DataLoader "
                                          "subclass with each process reading its share"),
-    "loop.pickle_accelerator": ((2,), "pickles the whole Accelerator; a mixprec Accelerator holds its engine's "
-                                      "C++ objects and process group, which cannot be pickled"),
 }
 
 

@@ -461,3 +461,39 @@ def test_accelerator_pickles_settings_and_trains_after_unpickling():
             opt.step()
             opt.zero_grad()
     assert not torch.equal(before, m.weight.detach()) and again.last_step.stepped
+
+
+def test_partial_and_accelerator_state_are_backed_by_the_live_accelerator():
+    from mixprec.compat import state as compat_state
+
+    # _reset_state() would also reset Accelerators other tests of this process still hold.
+    others = [r() for r in compat_state._ACCELERATORS if r() is not None]
+    try:
+        _state_objects()
+    finally:
+        for acc in others:
+            acc.__dict__.pop("_state_reset", None)
+
+
+def _state_objects():
+    from mixprec import AcceleratorState, PartialState
+
+    first = _acc(mixed_precision="bf16")
+    assert AcceleratorState() is first.state and PartialState() is first.state
+    s = AcceleratorState()
+    assert (s.num_processes, s.process_index, s.local_process_index, s.mixed_precision, s.initialized) == (1, 0, 0, "bf16", True)
+    assert s.distributed_type == DistributedType.NO and s.device == torch.device("cpu")
+    second = _acc()
+    assert AcceleratorState() is second.state and AcceleratorState().mixed_precision == "no"
+    AcceleratorState._reset_state()
+    assert not first.state.initialized and not second.state.initialized
+    with pytest.raises(AttributeError, match=r"AcceleratorState._reset_state\(\)"):
+        second.prepare(torch.nn.Linear(1, 1))
+    third = _acc()
+    assert AcceleratorState() is third.state and third.state.initialized
+    third.prepare(torch.nn.Linear(1, 1))
+    third.end_training()
+    alone = PartialState()  # no live Accelerator: read from the environment (one process here)
+    assert alone is PartialState() and (alone.num_processes, alone.initialized) == (1, True)
+    # With fields it is a plain new state object, as before.
+    assert AcceleratorState(rank=0, world_size=1).num_processes == 1

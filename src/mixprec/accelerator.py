@@ -50,6 +50,7 @@ from .wrappers.optimizer import PreparedOptimizer
 from .wrappers.scheduler import PreparedScheduler
 from .compat.api import AccelerateApi
 from .compat.setup import translate as translate_accelerate_options
+from .compat import state as compat_state
 from .compat.state import AcceleratorState
 from . import tracking
 
@@ -306,6 +307,7 @@ class Accelerator(AccelerateApi):
         # Accelerate's attribute names over the same DistributedState (compat/state.py).
         self.state = AcceleratorState.from_state(self.state, mixed_precision=self.policy.name,
                                                  backend_name=comm_cls.name)
+        compat_state.register(self)  # AcceleratorState() / PartialState() return this state
         self.split_batches = cfg.split_batches
         self.even_batches = cfg.even_batches
         self.data_seed = cfg.data_seed
@@ -398,6 +400,7 @@ class Accelerator(AccelerateApi):
         self._save_hooks, self._load_hooks, self._no_sync_depth = {}, {}, {}
         self._progress = None
         self._call_check = CallCheck(extra["collective_timeout_s"])
+        compat_state.register(self)
 
     @property
     def engine(self) -> Engine:
@@ -504,12 +507,20 @@ class Accelerator(AccelerateApi):
             print(*args, **kwargs)
 
     # --------------------------------------------------------------- prepare
+    def _check_not_reset(self) -> None:
+        """After ``AcceleratorState._reset_state()`` an Accelerator made before it cannot
+        prepare, as in Accelerate ([Note: state objects backed by the live Accelerator] in
+        compat/state.py)."""
+        if self.__dict__.get("_state_reset"):
+            raise AttributeError(compat_state.RESET_MESSAGE.format(name="distributed_type"))
+
     def prepare(self, *objs: Any):
         """Wrap models, optimizers, dataloaders and schedulers; returned in the order given.
 
         Models are prepared first, then optimizers (so they can be pointed at fp32
         masters), then schedulers and dataloaders.
         """
+        self._check_not_reset()
         for obj in objs:
             if not isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)) and not _is_scheduler(obj):
                 raise TypeError(
@@ -531,6 +542,7 @@ class Accelerator(AccelerateApi):
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        self._check_not_reset()
         if isinstance(model, PreparedOptimizer):
             raise TypeError("prepare_model() got an optimizer")
         if is_prepared(model) and model in self._models:
@@ -554,6 +566,7 @@ class Accelerator(AccelerateApi):
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        self._check_not_reset()
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
         if self._tp:
@@ -583,6 +596,7 @@ class Accelerator(AccelerateApi):
         self.clip_grad_norm_(params, self.gradient_clipping)
 
     def prepare_scheduler(self, scheduler) -> PreparedScheduler:
+        self._check_not_reset()
         if isinstance(scheduler, PreparedScheduler):
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
@@ -597,6 +611,7 @@ class Accelerator(AccelerateApi):
 
     def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader,
                             device_placement: Optional[bool] = None) -> PreparedDataLoader:
+        self._check_not_reset()
         if isinstance(dataloader, PreparedDataLoader):
             if dataloader in self._dataloaders:
                 return dataloader  # preparing twice gives the same loader

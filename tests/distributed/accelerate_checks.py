@@ -87,13 +87,15 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
         "script", "check_seedable_sampler_in_batch_sampler_shard()", (2,)),
     "script.training": ("script", "training_check(use_seedable_sampler=False)", (1, 2)),
     "script.training_seedable_sampler": ("script", "training_check(use_seedable_sampler=True)", (1, 2)),
-    # The same, with the two names that read Accelerate's process-wide state singleton
-    # (AcceleratorState(), and are_the_same_tensors which calls it) taken from the
-    # Accelerator under test instead: see state_overrides().
+    # The same, with the script's AcceleratorState import changed to the library's own
+    # (mixprec.AcceleratorState under mixprec: docs/migrating.md) and are_the_same_tensors,
+    # Accelerate's helper that reads Accelerate's singleton, given the Accelerator under
+    # test: see state_overrides().
     "script.training[own_state]": ("script", "training_check(use_seedable_sampler=False)", (1, 2)),
     "script.training_seedable_sampler[own_state]": ("script", "training_check(use_seedable_sampler=True)", (1, 2)),
     "script.trigger": ("script", "test_trigger()", (1, 2)),
     "script.reinstantiated_state": ("script", "test_reinstantiated_state()", (1, 2)),
+    "script.reinstantiated_state[own_state]": ("script", "test_reinstantiated_state()", (1, 2)),
     # test_distributed_data_loop.py (asserts two processes)
     "loop.even_batches": ("loop", "test_default_ensures_even_batch_sizes()", (2,)),
     "loop.disable_even_batches": ("loop", "test_can_disable_even_batches()", (2,)),
@@ -134,33 +136,30 @@ _DROPPED_IMPORTS = re.compile(r"^(import (datasets|evaluate|transformers)|from (
 
 
 def state_overrides(module, library: str) -> dict:
-    """For the ``[own_state]`` checks: ``AcceleratorState()`` gives ``Accelerator().state`` of
-    the Accelerator under test, ``are_the_same_tensors`` gathers with it, and test_ops.py's
-    ``gather``/``pad_across_processes``/``reduce`` are that Accelerator's methods. Accelerate's
-    ``AcceleratorState._reset_state()`` (called before changing the precision) is kept for
-    Accelerate; mixprec's Accelerators are independent objects, there is nothing to reset."""
+    """For the ``[own_state]`` checks: the script's ``AcceleratorState``/``PartialState`` are
+    the library's own (under mixprec: ``mixprec.AcceleratorState``/``mixprec.PartialState``,
+    the import docs/migrating.md tells such scripts to change), and Accelerate's helpers that
+    read Accelerate's singleton whatever the script imports (``are_the_same_tensors``, and
+    test_ops.py's ``gather``/``pad_across_processes``/``reduce``) go through the Accelerator
+    under test."""
     import torch
 
     accelerator_cls = module.Accelerator
-    real = getattr(module, "AcceleratorState", None)
+    overrides = {}
+    if library == "mixprec":
+        import mixprec
 
-    class StateOfAccelerator:
-        def __new__(cls):
-            return accelerator_cls().state
-
-        @staticmethod
-        def _reset_state(*args, **kwargs):
-            if library == "accelerate":
-                real._reset_state(*args, **kwargs)
+        overrides.update(AcceleratorState=mixprec.AcceleratorState, PartialState=mixprec.PartialState)
 
     def are_the_same_tensors(tensor):
         acc = accelerator_cls()
         gathered = acc.gather(tensor[None].clone().to(acc.device)).cpu()
         return all(torch.equal(gathered[0], t) for t in gathered)
 
-    overrides = {"AcceleratorState": StateOfAccelerator, "are_the_same_tensors": are_the_same_tensors}
-    acc = accelerator_cls()
-    overrides.update(gather=acc.gather, pad_across_processes=acc.pad_across_processes, reduce=acc.reduce)
+    overrides["are_the_same_tensors"] = are_the_same_tensors
+    if hasattr(module, "gather"):
+        acc = accelerator_cls()
+        overrides.update(gather=acc.gather, pad_across_processes=acc.pad_across_processes, reduce=acc.reduce)
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 

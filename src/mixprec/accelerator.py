@@ -358,7 +358,8 @@ class Accelerator(AccelerateApi):
     # first use (a collective on a multi-process group: every rank uses it), prepares anew,
     # and where its process group does not exist (another job, a process without one) it
     # raises a RuntimeError naming the fix when it communicates, not when unpickled.
-    _NOT_PICKLED = ("engine", "_engine", "_watchdog", "_models", "_optimizers", "_schedulers", "_dataloaders",
+    _join = None  # the running join_uneven_inputs block (mixprec/join.py)
+    _NOT_PICKLED = ("_join", "engine", "_engine", "_watchdog", "_models", "_optimizers", "_schedulers", "_dataloaders",
                     "prepared", "trackers", "_checkpoint_objects", "_save_hooks", "_load_hooks", "_no_sync_depth",
                     "_progress", "_autocast_gate", "_call_check", "gradient_state", "_ulysses",
                     "_policy_logged", "_ended")
@@ -819,7 +820,14 @@ class Accelerator(AccelerateApi):
         self._require_prepared("backward(loss)")
         if self._progress is not None:  # a snapshot, not a read ([Note: progress without host syncs])
             self._progress.loss_snapshot(loss)
-        self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
+        join = self._join  # inside join_uneven_inputs: the backward's announcement says how it ran
+        if join is not None:
+            join.via_accelerator = True
+        try:
+            self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
+        finally:
+            if join is not None:
+                join.via_accelerator = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``.backward()`` on yourself (accumulation-divided and scaled)."""
@@ -934,15 +942,25 @@ class Accelerator(AccelerateApi):
             _first_barrier(self.state)
 
     def join_uneven_inputs(self, joinables, even_batches: Optional[bool] = None):
-        """Not supported: mixprec's engines have no shadow collectives for a rank whose data
-        ran out (torch's ``Join``). Raises NotImplementedError naming the workarounds."""
-        raise NotImplementedError(
-            "join_uneven_inputs() is not supported by mixprec (its engines cannot shadow the "
-            "collectives of a rank whose data ran out). Give every rank the same number of "
-            "batches instead: keep even_batches=True (the default) for prepared dataloaders, "
-            "or use drop_last=True. A rank that runs out early is named by collective desync "
-            "detection (docs/troubleshooting.md)."
-        )
+        """Context manager for loops where ranks get different numbers of batches (Accelerate's
+        semantics): a rank whose data ran out leaves the block and shadows the forwards,
+        backwards and optimizer steps the other ranks still run on ``joinables`` (prepared
+        models and optimizers), on every backend, so their collectives complete
+        ([Note: shadowing by announcement] in mixprec/join.py). ``even_batches`` overrides
+        the prepared map-style dataloaders' setting inside the block (an iterable one keeps
+        its own, with a warning). With even batches in effect it does nothing.
+
+        Example::
+
+            with accelerator.join_uneven_inputs([model, optimizer], even_batches=False):
+                for x, y in loader:
+                    accelerator.backward(loss_fn(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+        from .join import join_uneven_inputs
+
+        return join_uneven_inputs(self, joinables, even_batches)
 
     def gather(self, tensor):
         """All-gather tensors (nested containers too), concatenated on dim 0."""

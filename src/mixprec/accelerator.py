@@ -314,6 +314,9 @@ class Accelerator(AccelerateApi):
         self.gradient_state = GradientState(cfg.gradient_accumulation_steps)
         self.gradient_state.sync_each_batch = compat.sync_each_batch
         self.use_seedable_sampler = compat.use_seedable_sampler
+        self.dispatch_batches = compat.dispatch_batches
+        self.use_stateful_dataloader = compat.use_stateful_dataloader
+        self._dispatch_group = None  # made at the first dispatched prepare_data_loader
         self.non_blocking = compat.non_blocking
         self.device_placement = bool(device_placement)
         self.scheduler_step_rule = scheduler_step_rule
@@ -359,7 +362,7 @@ class Accelerator(AccelerateApi):
     # and where its process group does not exist (another job, a process without one) it
     # raises a RuntimeError naming the fix when it communicates, not when unpickled.
     _join = None  # the running join_uneven_inputs block (mixprec/join.py)
-    _NOT_PICKLED = ("_join", "engine", "_engine", "_watchdog", "_models", "_optimizers", "_schedulers", "_dataloaders",
+    _NOT_PICKLED = ("_join", "_dispatch_group", "engine", "_engine", "_watchdog", "_models", "_optimizers", "_schedulers", "_dataloaders",
                     "prepared", "trackers", "_checkpoint_objects", "_save_hooks", "_load_hooks", "_no_sync_depth",
                     "_progress", "_autocast_gate", "_call_check", "gradient_state", "_ulysses",
                     "_policy_logged", "_ended")
@@ -401,6 +404,7 @@ class Accelerator(AccelerateApi):
         self._save_hooks, self._load_hooks, self._no_sync_depth = {}, {}, {}
         self._progress = None
         self._call_check = CallCheck(extra["collective_timeout_s"])
+        self._dispatch_group = None
         compat_state.register(self)
 
     @property
@@ -475,12 +479,25 @@ class Accelerator(AccelerateApi):
 
     @property
     def dataloader_config(self):
-        """The dataloader settings in effect, as a ``DataLoaderConfiguration``."""
+        """The dataloader settings in effect, as a ``DataLoaderConfiguration``. Assigning one
+        (mixprec's or Accelerate's) changes how dataloaders prepared from then on are served,
+        as in Accelerate; those prepared before keep theirs."""
         from .compat.options import DataLoaderConfiguration
 
         return DataLoaderConfiguration(split_batches=self.split_batches, even_batches=self.even_batches,
                                        use_seedable_sampler=self.use_seedable_sampler, data_seed=self.data_seed,
-                                       non_blocking=self.non_blocking)
+                                       non_blocking=self.non_blocking, dispatch_batches=self.dispatch_batches,
+                                       use_stateful_dataloader=self.use_stateful_dataloader)
+
+    @dataloader_config.setter
+    def dataloader_config(self, value) -> None:
+        from .compat.options import DataLoaderConfiguration, read_fields
+
+        dl = read_fields(value, DataLoaderConfiguration, "dataloader_config")
+        self.split_batches, self.even_batches = bool(dl.split_batches), bool(dl.even_batches)
+        self.use_seedable_sampler, self.data_seed = bool(dl.use_seedable_sampler), dl.data_seed
+        self.non_blocking, self.dispatch_batches = bool(dl.non_blocking), dl.dispatch_batches
+        self.use_stateful_dataloader = bool(dl.use_stateful_dataloader)
 
     @property
     def num_processes(self) -> int:
@@ -618,13 +635,35 @@ class Accelerator(AccelerateApi):
                 return dataloader  # preparing twice gives the same loader
             dataloader = dataloader.original  # another Accelerator's: shard the user's loader anew
         original = dataloader
+        if self.use_stateful_dataloader:
+            raise NotImplementedError(
+                "dataloader_config.use_stateful_dataloader=True (torchdata's StatefulDataLoader) is not implemented "
+                "in mixprec yet (issue #27 item 3); drop it: prepared dataloaders already resume mid-epoch through "
+                "save_state/load_state (docs/checkpointing.md)"
+            )
         # data_seed / use_seedable_sampler concern plain shuffling loaders only.
         plain_shuffle = (type(dataloader.sampler) is torch.utils.data.RandomSampler
                          and not dataloader.sampler.replacement
                          and dataloader.sampler.num_samples == len(dataloader.dataset))
         seed = self.data_seed if plain_shuffle else None
         seeded = plain_shuffle and (self.use_seedable_sampler or seed is not None)
-        if self.state.world_size > 1:
+        dispatch = self.dispatch_batches
+        if dispatch is None:  # Accelerate's default: rank 0 reads a stream (an IterableDataset)
+            dispatch = isinstance(dataloader.dataset, torch.utils.data.IterableDataset) and self.mesh is None
+        if dispatch and self.mesh is not None:
+            raise ValueError(
+                "dataloader_config.dispatch_batches=True is not supported under tensor or sequence parallelism (the "
+                "ranks of a TP/SP group read the same batches); use dispatch_batches=False"
+            )
+        if dispatch and self.state.world_size > 1:
+            from .data.dispatch import DispatchedLoader
+
+            if self._dispatch_group is None:  # its own group: [Note: dispatching batches]
+                self._dispatch_group = torch.distributed.new_group(backend="gloo")
+            dataloader = DispatchedLoader(dataloader, rank=self.state.rank, world_size=self.state.world_size,
+                                          group=self._dispatch_group, split_batches=self.split_batches,
+                                          even_batches=self.even_batches)
+        elif self.state.world_size > 1:
             # Under tensor or sequence parallelism the ranks of a TP/SP group read the same
             # batches: the loader shards over the data-parallel ranks only.
             mesh = self.mesh

@@ -125,6 +125,12 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "metrics.torch_metrics_99_split": (
         "metrics", "test_torch_metrics(Accelerator(dataloader_config=DataLoaderConfiguration("
         "split_batches=True, dispatch_batches=False)), 99)", (1, 2)),
+    "metrics.torch_metrics_99_dispatch": (
+        "metrics", "test_torch_metrics(Accelerator(dataloader_config=DataLoaderConfiguration("
+        "split_batches=False, dispatch_batches=True)), 99)", (1, 2)),
+    "metrics.torch_metrics_99_split_dispatch": (
+        "metrics", "test_torch_metrics(Accelerator(dataloader_config=DataLoaderConfiguration("
+        "split_batches=True, dispatch_batches=True)), 99)", (1, 2)),
     "metrics.torch_metrics_512": ("metrics", "test_torch_metrics(Accelerator(), 512)", (1, 2)),
     "metrics.drop_last": ("metrics", "test_gather_for_metrics_drop_last()", (1, 2)),
     "metrics.iterable_dataset": ("metrics", "test_gather_for_metrics_with_iterable_dataset()", (1, 2)),

@@ -91,3 +91,111 @@ def test_every_sampler_layout_gives_each_sample_once_per_pass(backend):
         if name != "sequential":
             assert passes[0] != passes[1], f"{backend} {name}: the second pass repeats the first order"
     assert r0["sequential"][0] == list(range(N))
+
+
+def _dispatch(state, backend, with_hf):
+    """dispatch_batches: which rank reads, what each receives, gather_for_metrics, errors."""
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    from mixprec import Accelerator, DataLoaderConfiguration
+
+    class Stream(IterableDataset):
+        def __init__(self, n, fail_at=None):
+            self.n, self.fail_at, self.reads = n, fail_at, 0
+
+        def __iter__(self):
+            for i in range(self.n):
+                if i == self.fail_at:
+                    raise ValueError(f"bad record {i}")
+                self.reads += 1
+                yield i
+
+    def acc_with(**dl):
+        return Accelerator(cpu=True, backend=backend, log_policy=False,
+                           dataloader_config=DataLoaderConfiguration(**dl))
+
+    out = {}
+    acc = acc_with()  # dispatch_batches=None: dispatched because the dataset is iterable
+    model = torch.nn.Linear(1, 1)
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    stream = Stream(23)
+    loader = acc.prepare(DataLoader(stream, batch_size=4))
+    mine = [b.tolist() for b in loader]
+    out["default"] = (mine, stream.reads, torch.cat([acc.gather_for_metrics(b) for b in loader]).tolist())
+    for split in (True, False):
+        a = acc_with(split_batches=split, dispatch_batches=True)
+        ld = a.prepare(DataLoader(Stream(23), batch_size=4))
+        out[f"split={split}"] = ([b.tolist() for b in ld], torch.cat([a.gather_for_metrics(b) for b in ld]).tolist())
+    # Map-style with dispatch_batches=True, uneven last batch, with and without even_batches.
+    for even in (True, False):
+        a = acc_with(dispatch_batches=True, even_batches=even)
+        ld = a.prepare(DataLoader(TensorDataset(torch.arange(11)), batch_size=4))
+        out[f"map even={even}"] = ([b.tolist() for (b,) in ld], len(ld))
+    if with_hf:
+        import datasets
+
+        def gen():
+            for i in range(10):
+                yield {"idx": i, "text": f"s{i}"}
+
+        hf = datasets.IterableDataset.from_generator(gen).with_format("torch")
+        ld = acc.prepare(DataLoader(hf, batch_size=2))
+        got = [(b["idx"].tolist(), b["text"]) for b in ld]
+        gathered = [acc.gather_for_metrics(b["text"], use_gather_object=True) for b in ld]
+        out["hf"] = (got, [t for g in gathered for t in g])
+    # The receive overlaps the next read: while rank 0's loop holds step k, its reader has
+    # already read step k+1 (observed, not timed: the loop waits for that event).
+    ld = acc.prepare(DataLoader(Stream(24), batch_size=2))
+    inner = ld.dataloader
+    inner.events = [] if state.rank == 0 else None
+    ahead = []
+    for k, _ in enumerate(ld):
+        if state.rank == 0:
+            deadline = time.monotonic() + 30
+            # The prepared loader has taken step k+1 already (it looks one batch ahead to
+            # mark the last one); a reader that only read on request would not reach k+2.
+            while k + 2 < 6 and ("read", k + 2) not in inner.events and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ahead.append(k + 2 >= 6 or (("read", k + 2) in inner.events and ("consumed", k + 1) not in inner.events))
+    out["overlap"] = ahead
+    # A reading error on rank 0 reaches every rank.
+    ld = acc.prepare(DataLoader(Stream(23, fail_at=9), batch_size=2))
+    try:
+        list(ld)
+        out["error"] = None
+    except (ValueError, RuntimeError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dispatch_batches(backend):
+    try:
+        import datasets  # noqa: F401
+        with_hf = True
+    except ImportError:
+        with_hf = False  # optional: not in the test extra
+    r0, r1 = run_distributed(_dispatch, 2, args=(backend, with_hf), timeout=240)
+    # Only rank 0 reads the stream; rank r gets the r-th slice of each global batch of 8.
+    assert r0["default"][1] == 23 and r1["default"][1] == 0
+    assert r0["default"][0] == [[0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19]]
+    assert r1["default"][0] == [[4, 5, 6, 7], [12, 13, 14, 15], [20, 21, 22, 0]]  # completed from the start
+    assert r0["default"][2] == r1["default"][2] == list(range(23))  # the completion is dropped
+    assert r0["split=True"][0] == [[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]]
+    assert r1["split=True"][0] == [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [22, 0]]
+    for key in ("split=True", "split=False"):
+        assert r0[key][1] == r1[key][1] == list(range(23))
+    # 11 samples: the last global step holds 3, sliced 2 per rank (completed unless even_batches=False).
+    assert r0["map even=True"] == ([[0, 1, 2, 3], [8, 9]], 2) and r1["map even=True"] == ([[4, 5, 6, 7], [10, 0]], 2)
+    assert r0["map even=False"][0] == [[0, 1, 2, 3], [8, 9]] and r1["map even=False"][0] == [[4, 5, 6, 7], [10]]
+    if with_hf:
+        assert r0["hf"][0] == [([0, 1], ["s0", "s1"]), ([4, 5], ["s4", "s5"]), ([8], ["s8"])]
+        assert r1["hf"][0] == [([2, 3], ["s2", "s3"]), ([6, 7], ["s6", "s7"]), ([9], ["s9"])]
+        assert r0["hf"][1] == [f"s{i}" for i in range(10)]
+    assert r0["overlap"] and all(r0["overlap"])
+    assert r0["error"] == "ValueError: bad record 9"
+    assert r1["error"].startswith("RuntimeError: dispatch_batches: rank 0 failed reading the dataloader: "
+                                  "ValueError: bad record 9")

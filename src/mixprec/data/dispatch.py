@@ -113,7 +113,7 @@ class DispatchedLoader:
         self.loader = loader
         self.rank, self.world_size, self.group = rank, world_size, group
         self.split_batches, self.even_batches = split_batches, even_batches
-        self.prefetch = max(1, int(prefetch))
+        self.prefetch = max(0, int(prefetch))  # 0: no overlap (a baseline)
         self.dataset = loader.dataset
         self.drop_last = bool(getattr(loader, "drop_last", False))
         b = loader.batch_size
@@ -236,7 +236,36 @@ class DispatchedLoader:
             if got[0][0] != _BATCH:
                 return
 
+    def _synchronous(self):
+        """``prefetch=0``: read, send and receive in the loop's own thread, step by step (no
+        overlap; benchmarks/bench_dispatch.py's baseline)."""
+        steps = self._global_steps() if self.rank == 0 else None
+        while True:
+            if self.rank == 0:
+                try:
+                    batch, n, first = next(steps)
+                    send = [(_BATCH, piece, n) for piece in self._pieces(batch, n, first)]
+                except StopIteration:
+                    send = [(_END, None, None)] * self.world_size
+                except BaseException as e:  # noqa: BLE001 - the others must not wait forever
+                    send = [(_ERROR, f"{type(e).__name__}: {e}", None)] * self.world_size
+                    dist.scatter_object_list([None], send, src=0, group=self.group)
+                    raise
+            got = [None]
+            dist.scatter_object_list(got, send if self.rank == 0 else None, src=0, group=self.group)
+            kind, piece, n = got[0]
+            if kind == _ERROR:
+                raise RuntimeError(f"dispatch_batches: rank 0 failed reading the dataloader: {piece}")
+            if kind != _BATCH:
+                return
+            self.remainder = n
+            if batch_length(piece):
+                yield piece
+
     def __iter__(self):
+        if self.prefetch == 0:
+            yield from self._synchronous()
+            return
         for t in self._threads:  # an earlier pass that stopped early ends with rank 0's next step
             t.join()
         stop = threading.Event()

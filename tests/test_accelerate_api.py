@@ -65,10 +65,13 @@ def test_dataloader_config_maps_onto_settings():
     acc = _acc(dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=False, data_seed=3))
     assert (acc.split_batches, acc.even_batches, acc.data_seed) == (True, False, 3)
     assert acc.dataloader_config.split_batches is True
-    with pytest.raises(ValueError, match="dispatch_batches=True.*every process loads its own share"):
-        _acc(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
-    with pytest.raises(ValueError, match="use_stateful_dataloader=True has no counterpart"):
-        _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    dispatching = _acc(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    assert dispatching.dataloader_config.dispatch_batches is True  # one process: nothing to dispatch
+    assert [b.tolist() for (b,) in dispatching.prepare(DataLoader(TensorDataset(torch.arange(5)), batch_size=2))] == \
+        [[0, 1], [2, 3], [4]]
+    # Assigned, it applies to the dataloaders prepared from then on (Accelerate's setter).
+    acc.dataloader_config = DataLoaderConfiguration(split_batches=False, even_batches=True)
+    assert (acc.split_batches, acc.even_batches, acc.data_seed) == (False, True, None)
     with pytest.raises(ValueError, match="split_batches=False conflicts with dataloader_config.split_batches=True"):
         _acc(split_batches=False, dataloader_config=DataLoaderConfiguration(split_batches=True))
     with pytest.raises(TypeError, match="must be a mixprec.DataLoaderConfiguration"):
@@ -497,3 +500,29 @@ def _state_objects():
     assert alone is PartialState() and (alone.num_processes, alone.initialized) == (1, True)
     # With fields it is a plain new state object, as before.
     assert AcceleratorState(rank=0, world_size=1).num_processes == 1
+
+
+def test_stateful_dataloader_without_torchdata_names_the_fix(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchdata", None)
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)
+    with pytest.raises(ImportError, match=r"use_stateful_dataloader=True needs torchdata.*pip install torchdata"):
+        _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    acc = _acc()
+    with pytest.raises(ImportError, match="pip install torchdata"):
+        acc.dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=True)
+
+
+def test_stateful_dataloader_single_process_resumes():
+    pytest.importorskip("torchdata.stateful_dataloader")
+    acc = _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(20)), batch_size=3, shuffle=True))
+    got = []
+    for step, (b,) in enumerate(loader):
+        if step == 1:
+            state = loader.state_dict()
+        elif step > 1:
+            got.append(b.tolist())
+    loader.load_state_dict(state)
+    assert [b.tolist() for (b,) in loader] == got and len(got) == 5

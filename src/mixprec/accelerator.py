@@ -43,7 +43,7 @@ from .policy import PrecisionPolicy, ScalerConfig
 from .progress import Progress
 from .startup import startup_line
 from .step import StepResult
-from .checkpoint.dataloader import ResumableDataLoader
+from .checkpoint.dataloader import ResumableDataLoader, StatefulPreparedDataLoader
 from .wrappers.dataloader import PreparedDataLoader
 from .wrappers.model import AutocastGate, is_prepared, restore_class
 from .wrappers.optimizer import PreparedOptimizer
@@ -316,6 +316,8 @@ class Accelerator(AccelerateApi):
         self.use_seedable_sampler = compat.use_seedable_sampler
         self.dispatch_batches = compat.dispatch_batches
         self.use_stateful_dataloader = compat.use_stateful_dataloader
+        if self.use_stateful_dataloader:
+            _stateful_loader_class()  # without torchdata: the ImportError naming the fix, now
         self._dispatch_group = None  # made at the first dispatched prepare_data_loader
         self.non_blocking = compat.non_blocking
         self.device_placement = bool(device_placement)
@@ -498,6 +500,8 @@ class Accelerator(AccelerateApi):
         self.use_seedable_sampler, self.data_seed = bool(dl.use_seedable_sampler), dl.data_seed
         self.non_blocking, self.dispatch_batches = bool(dl.non_blocking), dl.dispatch_batches
         self.use_stateful_dataloader = bool(dl.use_stateful_dataloader)
+        if self.use_stateful_dataloader:
+            _stateful_loader_class()
 
     @property
     def num_processes(self) -> int:
@@ -635,12 +639,7 @@ class Accelerator(AccelerateApi):
                 return dataloader  # preparing twice gives the same loader
             dataloader = dataloader.original  # another Accelerator's: shard the user's loader anew
         original = dataloader
-        if self.use_stateful_dataloader:
-            raise NotImplementedError(
-                "dataloader_config.use_stateful_dataloader=True (torchdata's StatefulDataLoader) is not implemented "
-                "in mixprec yet (issue #27 item 3); drop it: prepared dataloaders already resume mid-epoch through "
-                "save_state/load_state (docs/checkpointing.md)"
-            )
+        loader_cls = _stateful_loader_class() if self.use_stateful_dataloader else torch.utils.data.DataLoader
         # data_seed / use_seedable_sampler concern plain shuffling loaders only.
         plain_shuffle = (type(dataloader.sampler) is torch.utils.data.RandomSampler
                          and not dataloader.sampler.replacement
@@ -660,6 +659,8 @@ class Accelerator(AccelerateApi):
 
             if self._dispatch_group is None:  # its own group: [Note: dispatching batches]
                 self._dispatch_group = torch.distributed.new_group(backend="gloo")
+            if self.use_stateful_dataloader:  # rank 0 reads a StatefulDataLoader
+                dataloader = _as_stateful(dataloader, loader_cls)
             dataloader = DispatchedLoader(dataloader, rank=self.state.rank, world_size=self.state.world_size,
                                           group=self._dispatch_group, split_batches=self.split_batches,
                                           even_batches=self.even_batches)
@@ -671,16 +672,19 @@ class Accelerator(AccelerateApi):
                 dataloader, self.state, split_batches=self.split_batches,
                 even_batches=self.even_batches, seed=seed,
                 use_seedable_sampler=self.use_seedable_sampler,
-                shard=None if mesh is None else (mesh.dp_rank, mesh.dp_size),
+                shard=None if mesh is None else (mesh.dp_rank, mesh.dp_size), loader_cls=loader_cls,
             )
-        elif seeded:
-            # One process: the same seeded order (seed + epoch) several processes would share.
+        elif seeded or self.use_stateful_dataloader:
+            # One process: the same seeded order (seed + epoch) several processes would share;
+            # or the samplers that keep a StatefulDataLoader's position (data/sharding.py).
             dataloader = shard_dataloader(dataloader, self.state, seed=seed,
-                                          use_seedable_sampler=self.use_seedable_sampler)
+                                          use_seedable_sampler=self.use_seedable_sampler, loader_cls=loader_cls)
         place = self.device_placement if device_placement is None else device_placement
-        # Resumable: save_state records the position in the pass, load_state skips ahead.
-        prepared = ResumableDataLoader(dataloader, self.device if place else None, self.gradient_state,
-                                       original=original, non_blocking=self.non_blocking)
+        # Resumable: save_state records the position in the pass, load_state skips ahead
+        # (or, with use_stateful_dataloader, restores the StatefulDataLoader's own state).
+        kind = StatefulPreparedDataLoader if self.use_stateful_dataloader else ResumableDataLoader
+        prepared = kind(dataloader, self.device if place else None, self.gradient_state,
+                        original=original, non_blocking=self.non_blocking)
         sp = self.config.config.sequence_parallel
         if sp.prepare_batches:
             prepared.batch_transform = lambda batch, seq_dim=sp.seq_dim: self._sp_batch(batch, seq_dim)
@@ -1253,6 +1257,34 @@ def _resolve_policy(
             )
         return dataclasses.replace(policy, **overrides) if overrides else policy
     return PrecisionPolicy.from_mixed_precision(mixed_precision or "no", **overrides)
+
+
+def _stateful_loader_class() -> type:
+    """torchdata's StatefulDataLoader, for ``use_stateful_dataloader=True``."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as e:
+        raise ImportError(
+            f"dataloader_config.use_stateful_dataloader=True needs torchdata's StatefulDataLoader, which is not "
+            f"importable here ({e}); install it (`pip install torchdata`), or drop the option: prepared "
+            f"dataloaders resume mid-epoch through save_state/load_state without it (docs/checkpointing.md)"
+        ) from None
+    return StatefulDataLoader
+
+
+def _as_stateful(loader: torch.utils.data.DataLoader, loader_cls: type) -> torch.utils.data.DataLoader:
+    """The same loader as a StatefulDataLoader (for rank 0 of a dispatched one)."""
+    from .data.sharding import _KEPT
+
+    if not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        one = DistributedState()  # one process: no communication, the loader's own order
+        return shard_dataloader(loader, one, loader_cls=loader_cls)
+    kept = {k: getattr(loader, k) for k in _KEPT if hasattr(loader, k)}
+    if loader.num_workers > 0:
+        kept["prefetch_factor"] = loader.prefetch_factor
+    else:
+        kept.pop("persistent_workers", None)
+    return loader_cls(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kept)
 
 
 def _env_world_size() -> int:

@@ -138,7 +138,7 @@ def load_accelerator_state(acc, source: Path, custom: list) -> CheckpointReader:
         )
     for i, (dl, saved) in enumerate(zip(acc.prepared.dataloaders, mine["dataloaders"])):
         if saved is not None:
-            ResumableDataLoader.load_checkpoint_state(_resumable(dl), saved, i)
+            _resumable(dl).load_checkpoint_state(saved, i)  # a StatefulPreparedDataLoader's own
     if own:
         restore_rng(mine["rng"])
     return reader

@@ -128,7 +128,24 @@ class DispatchedLoader:
         self.batch_sampler = None
         self.sampler = None
         self._threads: list[threading.Thread] = []
+        # use_stateful_dataloader: ``loader`` is torchdata's StatefulDataLoader (read on rank 0);
+        # its state after the step last handed out is what state_dict() gives.
+        self.stateful = callable(getattr(loader, "state_dict", None))
+        self._snapshot: Any = None
+        self._handed: Any = None
         self.events: Optional[list] = None  # ("read", k) / ("consumed", k) on rank 0 when set to a list
+
+    def state_dict(self) -> Optional[dict]:
+        """Rank 0: the inner loader's state after the last step handed out (the next pass
+        continues after it); other ranks: None (they read nothing)."""
+        if self.rank != 0 or not self.stateful:
+            return None
+        return self._handed if self._handed is not None else self.loader.state_dict()
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if self.rank == 0 and self.stateful and state is not None:
+            self.loader.load_state_dict(state)
+        self._handed = None
 
     def __len__(self) -> int:
         n = len(self.loader)
@@ -158,6 +175,7 @@ class DispatchedLoader:
             if not parts:
                 return
             batch = concat_batches(parts)
+            self._snapshot = self.loader.state_dict() if self.stateful else None  # after this step
             if first is None:
                 first = batch
             n = batch_length(batch)
@@ -203,15 +221,15 @@ class DispatchedLoader:
                     self.events.append(("read", k))
                 if stop.is_set():
                     break
-                out.put((_BATCH, pieces, n))  # the sender always reads on (it drains after a stop)
+                out.put((_BATCH, pieces, n, self._snapshot))  # the sender always reads on (it drains after a stop)
                 k += 1
-            out.put((_END, None, None))
+            out.put((_END, None, None, None))
         except BaseException as e:  # noqa: BLE001 - sent to every rank, re-raised on this one
-            out.put((_ERROR, e, None))
+            out.put((_ERROR, e, None, None))
 
     def _sender(self, steps: "queue.Queue", mine: "queue.Queue", stop: threading.Event) -> None:
         while True:
-            kind, payload, n = steps.get()
+            kind, payload, n, snapshot = steps.get()
             if kind == _BATCH and stop.is_set():
                 kind, payload = _STOP, None
             if kind == _BATCH:
@@ -222,7 +240,7 @@ class DispatchedLoader:
                 send = [(kind, None, None)] * self.world_size
             got = [None]
             dist.scatter_object_list(got, send, src=0, group=self.group)
-            self._put(mine, payload if kind == _ERROR else got[0], stop)
+            self._put(mine, payload if kind == _ERROR else (*got[0], snapshot), stop)
             if kind != _BATCH:
                 while kind == _STOP and steps.get()[0] == _BATCH:
                     pass  # the reader stops after its current read
@@ -232,7 +250,7 @@ class DispatchedLoader:
         while True:
             got = [None]
             dist.scatter_object_list(got, None, src=0, group=self.group)
-            self._put(mine, got[0], stop)
+            self._put(mine, (*got[0], None), stop)
             if got[0][0] != _BATCH:
                 return
 
@@ -245,6 +263,7 @@ class DispatchedLoader:
                 try:
                     batch, n, first = next(steps)
                     send = [(_BATCH, piece, n) for piece in self._pieces(batch, n, first)]
+                    self._handed = self._snapshot
                 except StopIteration:
                     send = [(_END, None, None)] * self.world_size
                 except BaseException as e:  # noqa: BLE001 - the others must not wait forever
@@ -288,12 +307,14 @@ class DispatchedLoader:
                 item = mine.get()
                 if isinstance(item, BaseException):  # rank 0's own reading error
                     raise item
-                kind, piece, n = item
+                kind, piece, n, snapshot = item
                 if kind == _ERROR:
                     raise RuntimeError(f"dispatch_batches: rank 0 failed reading the dataloader: {piece}")
                 if kind != _BATCH:
+                    self._handed = None
                     return
                 self.remainder = n
+                self._handed = snapshot
                 if batch_length(piece) == 0:
                     continue  # even_batches=False: nothing of the last step for this rank
                 yield piece

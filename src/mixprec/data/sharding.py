@@ -55,7 +55,52 @@ _KEPT = (
 )
 
 
-class ShardedBatchSampler(torch.utils.data.Sampler):
+class _ResumablePass:
+    """torchdata's Stateful protocol for the sharded samplers (``use_stateful_dataloader``):
+    ``state_dict()`` holds the current pass's order and how many batches this rank's
+    iterator gave out; after ``load_state_dict()`` the next pass is that order, from the next
+    batch, without drawing (or communicating) anything and without loading the skipped
+    batches. The order is kept whole (a list of indices), so the state grows with the
+    dataset: about 8 bytes per sample pickled."""
+
+    _resume: Optional[dict] = None
+    _pass: Any = None  # the current pass's order (None between passes)
+    _yielded = 0  # batches this rank's iterator gave out in the current pass
+
+    def state_dict(self) -> dict:
+        return {"epoch": getattr(self, "epoch", None), "pass": self._pass, "yielded": self._yielded,
+                "remainder": getattr(self, "remainder", None)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("epoch") is not None:
+            self.epoch = state["epoch"]
+        self._resume = state if state.get("pass") is not None else None
+        self._pass, self._yielded = None, 0
+
+    def _start_pass(self, draw):
+        """(order, batches to skip) of a new pass: the resumed one, or a new draw."""
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            if resume.get("remainder") is not None and isinstance(self, ShardedBatches):
+                self.remainder = resume["remainder"]  # (ShardedBatchSampler computes its own)
+            self._pass, self._yielded = resume["pass"], 0
+            return resume["pass"], resume["yielded"]
+        self._pass, self._yielded = draw(), 0
+        return self._pass, 0
+
+    def _give(self, batches, skip: int):
+        """Yield ``batches`` after the first ``skip``, counting what was given out."""
+        produced = 0
+        for batch in batches:
+            produced += 1
+            if produced <= skip:
+                continue
+            self._yielded = produced
+            yield batch
+        self._pass, self._yielded = None, 0
+
+
+class ShardedBatchSampler(_ResumablePass, torch.utils.data.Sampler):
     """Yields this rank's index batches; see the module docstring for the layout.
 
     Attributes: ``total_dataset_length`` (samples in the dataset), ``total_batch_size``
@@ -130,7 +175,14 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         return steps if start < self.total_dataset_length else steps - 1
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self._order()
+        order, skip = self._start_pass(self._order)
+        yield from self._give(self._batches_of(order), skip)
+        if self.shuffle_seed is not None:
+            # A complete pass moves to the next epoch's order (Accelerate's seedable sampler);
+            # set_epoch() still chooses one explicitly.
+            self.epoch += 1
+
+    def _batches_of(self, order: list[int]) -> Iterator[list[int]]:
         n, g, b = len(order), self.total_batch_size, self.batch_size
         for step in range(self.num_global_batches):
             lo = step * g + self.rank * b
@@ -145,10 +197,6 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
                 wrap_start = max(0, lo - n)
                 batch = batch + [order[(wrap_start + i) % n] for i in range(need)]
             yield batch
-        if self.shuffle_seed is not None:
-            # A complete pass moves to the next epoch's order (Accelerate's seedable sampler);
-            # set_epoch() still chooses one explicitly.
-            self.epoch += 1
 
 
 def find_generators(obj: Any) -> list[torch.Generator]:
@@ -218,7 +266,7 @@ def sync_generators(state: DistributedState, sampler: Any) -> None:
         g.set_state(st)
 
 
-class ShardedBatches(torch.utils.data.Sampler):
+class ShardedBatches(_ResumablePass, torch.utils.data.Sampler):
     """This rank's share of the batches of any batch sampler (a custom ``batch_sampler``, or
     a ``BatchSampler`` given as ``sampler`` with ``batch_size=None``).
 
@@ -307,9 +355,9 @@ class ShardedBatches(torch.utils.data.Sampler):
         return steps
 
     def __iter__(self):
-        for step in self._global_steps():
-            if self.rank < len(step) and step[self.rank]:
-                yield step[self.rank]
+        steps, skip = self._start_pass(self._global_steps)
+        mine = (step[self.rank] for step in steps if self.rank < len(step) and step[self.rank])
+        yield from self._give(mine, skip)
 
 
 class IterableDatasetShard(IterableDataset):
@@ -375,12 +423,15 @@ def shard_dataloader(
     seed: Optional[int] = None,
     use_seedable_sampler: bool = False,
     shard: Optional[tuple[int, int]] = None,
+    loader_cls: type = DataLoader,
 ) -> DataLoader:
     """A new DataLoader over the same dataset that yields this rank's share of the batches.
 
     ``shard=(index, count)`` shards over ``count`` parts instead of the processes (tensor
     parallelism: the data-parallel ranks, the ranks of one TP group reading the same
-    batches); shuffling is still agreed by every process of ``state``.
+    batches); shuffling is still agreed by every process of ``state``. ``loader_cls``: the
+    class of the returned loader (torchdata's ``StatefulDataLoader`` for
+    ``use_stateful_dataloader``; the sharded samplers have its ``state_dict`` protocol).
 
     Keeps ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last``, ``generator`` and
     the other settings. For a map-style dataset with a batch size the returned loader's
@@ -434,7 +485,7 @@ def shard_dataloader(
         if batch_sampler is not None:
             shard = ShardedBatches(batch_sampler, rank=rank, world_size=world, split_batches=split_batches,
                                    even_batches=even_batches, sync=sync)
-            return DataLoader(dataloader.dataset, batch_sampler=shard, **kept)
+            return loader_cls(dataloader.dataset, batch_sampler=shard, **kept)
         if not _iterates_lists(sampler):
             raise ValueError(
                 f"shard_dataloader() got batch_size=None and a {type(sampler).__name__} sampler that does not "
@@ -442,7 +493,7 @@ def shard_dataloader(
             )
         shard = ShardedBatches(sampler, rank=rank, world_size=world, split_batches=split_batches,
                                even_batches=even_batches, sync=sync)
-        return DataLoader(dataloader.dataset, sampler=shard, batch_size=None, **kept)
+        return loader_cls(dataloader.dataset, sampler=shard, batch_size=None, **kept)
     if batch_size is None:
         raise ValueError(
             f"shard_dataloader() got an iterable dataset with batch_size=None; sharding an iterable "
@@ -463,7 +514,7 @@ def shard_dataloader(
         shard = IterableDatasetShard(
             dataloader.dataset, rank=rank, world_size=world, batch_size=per_rank, total_batch_size=total, drop_last=drop_last
         )
-        return DataLoader(shard, batch_size=per_rank, drop_last=drop_last, **kept)
+        return loader_cls(shard, batch_size=per_rank, drop_last=drop_last, **kept)
 
     shuffle_seed = None
     plain_shuffle = (type(sampler) is RandomSampler and not sampler.replacement
@@ -503,7 +554,7 @@ def shard_dataloader(
         shuffle_seed=shuffle_seed,
         sync=sync if shuffle_seed is None else None,
     )
-    return DataLoader(dataloader.dataset, batch_sampler=sharded, **kept)
+    return loader_cls(dataloader.dataset, batch_sampler=sharded, **kept)
 
 
 def _iterates_lists(sampler: Any) -> bool:

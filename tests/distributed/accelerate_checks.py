@@ -104,6 +104,8 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "loop.join_mixed_type_dataloaders": ("loop", "test_join_can_override_for_mixed_type_dataloaders()", (2,)),
     "loop.join_iterable_warning": ("loop", "test_join_raises_warning_for_iterable_when_overriding_even_batches()", (2,)),
     "loop.pickle_accelerator": ("loop", "test_pickle_accelerator()", (2,)),
+    "loop.stateful_dataloader": ("loop", "test_stateful_dataloader(create_accelerator())", (2,)),
+    "loop.stateful_dataloader_save_state": ("loop", "test_stateful_dataloader_save_state(create_accelerator())", (2,)),
     "loop.data_loader_no_shuffle": (
         "loop", "test_data_loader(DataLoader(DummyDataset(), shuffle=False, batch_size=BATCH_SIZE, "
         "num_workers=NUM_WORKERS), create_accelerator())", (2,)),

@@ -200,7 +200,7 @@ class PartialState(DistributedState, metaclass=_Shared):
         )
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)  # keeps PartialState's Accelerate-style repr
 class AcceleratorState(PartialState):
     """Accelerate's ``AcceleratorState``: the same view as :class:`PartialState` (which, in
     mixprec, has ``mixed_precision`` too); ``accelerator.state`` is one."""

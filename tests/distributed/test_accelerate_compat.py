@@ -49,8 +49,9 @@ MIXPREC_ALSO_PASSES = {1: [], 2: [n for n in ac.CHECKS if n.startswith("loop.joi
 NEEDS = {"loop.stateful_dataloader": "torchdata", "loop.stateful_dataloader_save_state": "torchdata"}
 _MISSING = {n for n, module in NEEDS.items() if importlib.util.find_spec(module) is None}
 
-# Checks that read Accelerate's private process-wide state, which a mixprec Accelerator
-# neither creates nor uses: name -> (process counts where this makes them fail, reason).
+# Named exceptions, checks that pass under Accelerate and fail under mixprec for a reason a
+# user can act on: most read Accelerate's private process-wide state, which a mixprec
+# Accelerator neither creates nor uses. name -> (process counts where they fail, reason).
 _PARTIAL_STATE = ("calls accelerate.utils.operations.{}, which reads PartialState, Accelerate's singleton "
                   "(set up as multi-process only by an accelerate.Accelerator); the [own_state] variant "
                   "runs it through the Accelerator under test")

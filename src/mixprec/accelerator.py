@@ -428,9 +428,11 @@ class Accelerator(AccelerateApi):
         options = dict(options)
         if comm_cls.distributed:
             group = self.state.group
-            if isinstance(group, DetachedGroup) or group is None:
-                getattr(group, "rank")  # DetachedGroup: the RuntimeError naming the fix
-                raise RuntimeError(f"this unpickled Accelerator's {comm_cls.name} engine has no process group")
+            if isinstance(group, DetachedGroup):
+                group.rank()  # the RuntimeError naming the fix
+            if group is None:
+                raise RuntimeError(f"this unpickled Accelerator's {comm_cls.name} engine has no process group; "
+                                   f"make a new Accelerator in this process")
             options["group"] = group
         engine = Engine(self.policy, self.device, comm_cls, fused_optimizer=fused, **options)
         settings = self.__dict__.pop("_pending_engine_settings", None)

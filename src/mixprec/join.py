@@ -252,7 +252,8 @@ def join_uneven_inputs(accelerator: "Accelerator", joinables: Any, even_batches:
             if sampler is not None and hasattr(sampler, "even_batches"):
                 overridden.append((sampler, sampler.even_batches))
                 sampler.even_batches = even_batches
-            elif isinstance(loader.dataloader.dataset, torch.utils.data.IterableDataset):
+            elif isinstance(loader.dataloader.dataset, torch.utils.data.IterableDataset) or \
+                    type(loader.dataloader).__name__ == "DispatchedLoader":  # rank 0 reads: nothing to override
                 iterable_seen = True
         if iterable_seen:
             warnings.warn(

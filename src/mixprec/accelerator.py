@@ -892,6 +892,8 @@ class Accelerator(AccelerateApi):
         (``math.inf``: the norm only, nothing clipped)."""
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
+        if self._join is not None:  # inside join_uneven_inputs: ranks that ran out clip too
+            self._join.announce_clip(max_norm, norm_type)
         return self.engine.clip_grad_norm_(list(parameters), max_norm, norm_type)
 
     @desync.tracked("clip_grad_value_")

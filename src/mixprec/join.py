@@ -20,7 +20,10 @@ the same one on the same engine, so the same collectives are issued in the same 
   contributes zero gradients, as torch's ``Join`` with DDP does, and receives the reduced
   ones;
 * optimizer step: the prepared optimizer's step on those reduced gradients (the same update
-  the active ranks apply, so the models stay identical), then ``zero_grad``.
+  the active ranks apply, so the models stay identical), then ``zero_grad``;
+* ``accelerator.clip_grad_norm_`` called by the loop (a collective on the sharded
+  engines): the same clip over the joined models' parameters, ``max_norm`` and
+  ``norm_type`` sent with the announcement (a MAX all-reduce, exact).
 
 When the sum says no rank is active, every rank has left and all return. Collectives the
 loop issues itself inside the block (``gather``, ``reduce``, ``wait_for_everyone``...) are
@@ -45,7 +48,7 @@ from .wrappers.optimizer import PreparedOptimizer
 if TYPE_CHECKING:
     from .accelerator import Accelerator
 
-FORWARD, BACKWARD, STEP = 1, 2, 3
+FORWARD, BACKWARD, STEP, CLIP = 1, 2, 3, 4
 _GRAD, _NO_SYNC, _VIA_ACCELERATOR = 1, 2, 4
 
 
@@ -88,6 +91,7 @@ class Join:
         self.outputs: dict[int, Any] = {}  # model index -> the last shadow forward's output
         self.shadowing = False
         self.via_accelerator = False  # inside accelerator.backward (set by the Accelerator)
+        self.in_step = False  # inside an announced step (its own clipping is part of it)
         self.handles: list = []
 
     # ------------------------------------------------------------ active ranks
@@ -101,6 +105,9 @@ class Join:
             hook = self._pre_step(i)
             opt.pre_step_hooks.insert(0, hook)  # before clipping, which may communicate
             self.handles.append(_ListHandle(opt.pre_step_hooks, hook))
+            after = self._post_step
+            opt.post_step_hooks.append(after)
+            self.handles.append(_ListHandle(opt.post_step_hooks, after))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -145,7 +152,19 @@ class Join:
         def hook(optimizer):
             if not self.shadowing:
                 self._send(STEP, index, 0)
+                self.in_step = True
         return hook
+
+    def _post_step(self, optimizer, result) -> None:
+        self.in_step = False
+
+    def announce_clip(self, max_norm: float, norm_type: float) -> None:
+        """Called by ``accelerator.clip_grad_norm_`` inside the block."""
+        if self.shadowing or self.in_step:
+            return
+        self._send(CLIP, 0, 0)
+        dist.all_reduce(torch.tensor([float(max_norm), float(norm_type)], dtype=torch.float64,
+                                     device=self.comm_device), op=dist.ReduceOp.MAX, group=self.group)
 
     def _send(self, op: int, index: int, flags: int) -> None:
         t = torch.tensor([1, op, index, flags], dtype=torch.int64, device=self.comm_device)
@@ -182,6 +201,8 @@ class Join:
                     self._shadow_backward(index, flags)
                 elif op == STEP:
                     self._shadow_step(index)
+                elif op == CLIP:
+                    self._shadow_clip()
             finally:
                 self.shadowing = False
 
@@ -216,6 +237,12 @@ class Join:
                 self.acc.backward(loss)
             else:
                 loss.backward()
+
+    def _shadow_clip(self) -> None:
+        values = torch.full((2,), float("-inf"), dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        max_norm, norm_type = values.tolist()
+        self.acc.clip_grad_norm_([p for m in self.models for p in m.parameters()], max_norm, norm_type)
 
     def _shadow_step(self, index: int) -> None:
         opt = self.optimizers[index]

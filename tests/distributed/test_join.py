@@ -35,6 +35,27 @@ def _join(state, backend):
     out["seen"] = seen
     out["final"] = {k: v.tolist() for k, v in acc.get_state_dict(model).items()}
 
+    # bf16, accumulation over 2 micro-batches (the last batch closes the window), clipping:
+    # rank 1 shadows rank 0's third micro-batch, its clip and its step.
+    acc_b = Accelerator(cpu=True, backend=backend, log_policy=False, even_batches=False, mixed_precision="bf16",
+                        gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    mb = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    ob = torch.optim.AdamW(mb.parameters(), lr=0.01)
+    mb, ob, lb = acc_b.prepare(mb, ob, DataLoader(TensorDataset(xs), batch_size=1))
+    steps = 0
+    with acc_b.join_uneven_inputs([mb, ob]):
+        for (x,) in lb:
+            with acc_b.accumulate(mb):
+                acc_b.backward(mb(x).float().pow(2).sum())
+                if acc_b.sync_gradients:
+                    acc_b.clip_grad_norm_(mb.parameters(), 0.05)
+                    steps += 1
+                ob.step()
+                ob.zero_grad()
+    out["bf16_steps"] = steps
+    out["bf16_final"] = {k: v.tolist() for k, v in acc_b.get_state_dict(mb).items()}
+
     # Accelerate's own check: plain loss.backward(), no optimizer; and an eval forward.
     batches = []
     with acc.join_uneven_inputs([model]):
@@ -84,6 +105,8 @@ def test_join_uneven_inputs_shadows_the_ranks_that_ran_out(backend):
     for name, value in ref.state_dict().items():
         assert torch.allclose(torch.tensor(r0["final"][name]), value, atol=1e-6), (backend, name)
     assert r0["batches"] == [0, 1, 2] and r1["batches"] == [0, 1]
+    # ddp: each rank's own copy, kept identical by the shadowed clip and step.
+    assert (r0["bf16_steps"], r1["bf16_steps"]) == (2, 1) and r0["bf16_final"] == r1["bf16_final"]
     for r in (r0, r1):
         assert r["after"] == (True, 2)
         assert r["warned"] and "only supported for map-style datasets" in r["warned"][0]

@@ -28,9 +28,9 @@ the same one on the same engine, so the same collectives are issued in the same 
 When the sum says no rank is active, every rank has left and all return. Other collectives
 the loop issues inside the block (``gather``, ``reduce``, ``wait_for_everyone``...) are not
 shadowed, as with torch's ``Join``: the desync detection names them
-(docs/troubleshooting.md). So do accumulation windows that close at different micro-batches
-on different ranks (each rank's last batch closes its window): the announcements disagree
-and every rank raises a RuntimeError saying so. A rank with no input yet for a model it
+(docs/troubleshooting.md). Accumulation windows that close at different micro-batches on
+different ranks (each rank's last batch closes its window) make the announcements disagree:
+every rank raises a RuntimeError saying so, instead of waiting. A rank with no input yet for a model it
 must shadow raises a RuntimeError naming the fix.
 """
 

@@ -82,6 +82,21 @@ def _join(state, backend):
             out["inside"] = (dl.batch_sampler.even_batches, len(dl))
     out["after"] = (dl.batch_sampler.even_batches, len(dl))
     out["warned"] = [str(w.message) for w in caught if "map-style" in str(w.message)]
+
+    # Accumulation windows closing at different micro-batches (3 samples, windows of 2: rank
+    # 1's only batch closes its window, rank 0's first does not): an error, not a hang.
+    acc_c = Accelerator(cpu=True, backend=backend, log_policy=False, even_batches=False,
+                        gradient_accumulation_steps=2)
+    mc = torch.nn.Linear(3, 1)
+    mc, lc = acc_c.prepare(mc, DataLoader(TensorDataset(xs[:3]), batch_size=1))
+    try:
+        with acc_c.join_uneven_inputs([mc]):
+            for (x,) in lc:
+                with acc_c.accumulate(mc):
+                    acc_c.backward(mc(x).sum())
+        out["mismatch"] = None
+    except RuntimeError as e:
+        out["mismatch"] = str(e)
     return out
 
 
@@ -111,3 +126,5 @@ def test_join_uneven_inputs_shadows_the_ranks_that_ran_out(backend):
         assert r["after"] == (True, 2)
         assert r["warned"] and "only supported for map-style datasets" in r["warned"][0]
     assert r0["inside"] == (False, 2) and r1["inside"] == (False, 1)
+    for r in (r0, r1):
+        assert r["mismatch"] and "are not running the same operation" in r["mismatch"]

@@ -273,6 +273,12 @@ def join_uneven_inputs(accelerator: "Accelerator", joinables: Any, even_batches:
     if isinstance(joinables, (nn.Module, PreparedOptimizer)):
         joinables = [joinables]
     joinables = list(joinables)
+    bad = [obj for obj in joinables if not isinstance(obj, (nn.Module, PreparedOptimizer))]
+    if bad:
+        raise TypeError(
+            f"join_uneven_inputs() got a {type(bad[0]).__module__}.{type(bad[0]).__qualname__}; it joins models "
+            f"and optimizers returned by accelerator.prepare(), e.g. join_uneven_inputs([model, optimizer])"
+        )
     overridden: list[tuple[Any, bool]] = []
     if even_batches is not None:
         iterable_seen = False

@@ -514,7 +514,7 @@ def test_stateful_dataloader_without_torchdata_names_the_fix(monkeypatch):
         acc.dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=True)
 
 
-def test_stateful_dataloader_single_process_resumes():
+def test_stateful_dataloader_single_process_resumes(tmp_path):
     pytest.importorskip("torchdata.stateful_dataloader")
     acc = _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(20)), batch_size=3, shuffle=True))
@@ -526,3 +526,11 @@ def test_stateful_dataloader_single_process_resumes():
             got.append(b.tolist())
     loader.load_state_dict(state)
     assert [b.tolist() for (b,) in loader] == got and len(got) == 5
+    # A checkpoint's loader state resumes only with the same layout: refused before loading.
+    for (b,) in loader:
+        acc.save_state(str(tmp_path / "ckpt"))
+        break
+    other = _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    other.prepare(DataLoader(TensorDataset(torch.arange(20)), batch_size=4))
+    with pytest.raises(Exception, match="global batch of 3; this run has 1 and 4"):
+        other.load_state(str(tmp_path / "ckpt"))

@@ -191,18 +191,36 @@ class StatefulPreparedDataLoader(ResumableDataLoader):
         self._mixprec_before_read = None
         self._mixprec_skip, self._mixprec_order_rng, self._mixprec_in_progress = 0, None, False
 
+    def _layout(self) -> tuple:
+        """(processes the loader is sharded over, global batch size): what a state needs."""
+        inner = self.dataloader
+        world = getattr(getattr(inner, "batch_sampler", None), "world_size", getattr(inner, "world_size", 1))
+        return int(world), self.total_batch_size()
+
     def checkpoint_state(self) -> dict:
         out = super().checkpoint_state()
         out["stateful"] = self.state_dict()
+        out["stateful_layout"] = self._layout()
         return out
 
     def load_checkpoint_state(self, state: dict, index: int) -> None:
+        self.check_stateful(state, index)
+        self.load_state_dict(state["stateful"])
+
+    def check_stateful(self, state: dict, index: int) -> None:
+        """Raise a ValueError when ``state`` cannot be resumed here (load_state's phase 1)."""
         if "stateful" not in state:
             raise ValueError(
                 f"dataloader {index}: the checkpoint has no StatefulDataLoader state (it was saved without "
                 f"use_stateful_dataloader=True); load it with the same dataloader_config"
             )
-        self.load_state_dict(state["stateful"])
+        saved, mine = tuple(state.get("stateful_layout", ())), self._layout()
+        if saved and saved != mine:
+            raise ValueError(
+                f"dataloader {index}: its StatefulDataLoader state was saved sharded over {saved[0]} process(es) "
+                f"with a global batch of {saved[1]}; this run has {mine[0]} and {mine[1]}. Resume with the same "
+                f"layout, or without use_stateful_dataloader (positions are then translated through samples)"
+            )
 
 
 def make_resumable(loader: PreparedDataLoader) -> ResumableDataLoader:

@@ -56,14 +56,21 @@ def batch_length(batch: Any) -> Optional[int]:
     return None
 
 
+def _same_mapping(like: dict, items: dict) -> dict:
+    """``items`` in ``like``'s mapping class (e.g. a tokenizer's BatchEncoding), else a dict."""
+    try:
+        return type(like)(items)
+    except TypeError:
+        return items
+
+
 def slice_batch(batch: Any, lo: int, hi: int) -> Any:
     """Samples ``[lo, hi)`` of a collated batch (tensors and per-sample lists are sliced, other
     leaves kept)."""
     if isinstance(batch, torch.Tensor):
         return batch[lo:hi] if batch.dim() else batch
     if isinstance(batch, dict):
-        return type(batch)({k: slice_batch(v, lo, hi) for k, v in batch.items()}) if type(batch) is not dict \
-            else {k: slice_batch(v, lo, hi) for k, v in batch.items()}
+        return _same_mapping(batch, {k: slice_batch(v, lo, hi) for k, v in batch.items()})
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(slice_batch(v, lo, hi) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -90,7 +97,7 @@ def concat_batches(batches: list) -> Any:
                 f"reads one batch and splits it), or dispatch_batches=False (each rank reads its own)"
             ) from None
     if isinstance(first, dict):
-        return {k: concat_batches([b[k] for b in batches]) for k in first}
+        return _same_mapping(first, {k: concat_batches([b[k] for b in batches]) for k in first})
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(concat_batches(list(parts)) for parts in zip(*batches)))
     if isinstance(first, (list, tuple)):

@@ -65,10 +65,13 @@ def test_dataloader_config_maps_onto_settings():
     acc = _acc(dataloader_config=DataLoaderConfiguration(split_batches=True, even_batches=False, data_seed=3))
     assert (acc.split_batches, acc.even_batches, acc.data_seed) == (True, False, 3)
     assert acc.dataloader_config.split_batches is True
-    with pytest.raises(ValueError, match="dispatch_batches=True.*every process loads its own share"):
-        _acc(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
-    with pytest.raises(ValueError, match="use_stateful_dataloader=True has no counterpart"):
-        _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    dispatching = _acc(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    assert dispatching.dataloader_config.dispatch_batches is True  # one process: nothing to dispatch
+    assert [b.tolist() for (b,) in dispatching.prepare(DataLoader(TensorDataset(torch.arange(5)), batch_size=2))] == \
+        [[0, 1], [2, 3], [4]]
+    # Assigned, it applies to the dataloaders prepared from then on (Accelerate's setter).
+    acc.dataloader_config = DataLoaderConfiguration(split_batches=False, even_batches=True)
+    assert (acc.split_batches, acc.even_batches, acc.data_seed) == (False, True, None)
     with pytest.raises(ValueError, match="split_batches=False conflicts with dataloader_config.split_batches=True"):
         _acc(split_batches=False, dataloader_config=DataLoaderConfiguration(split_batches=True))
     with pytest.raises(TypeError, match="must be a mixprec.DataLoaderConfiguration"):
@@ -437,3 +440,97 @@ def test_prepared_model_pickles_as_the_users_class_and_deepcopies_prepared():
     x = torch.randn(3, 256)
     assert hasattr(twin, "_mixprec_ctx") and twin(x).dtype == torch.float32
     assert torch.equal(twin(x), model(x)) and twin[0].weight is not model[0].weight
+
+
+# ----------------------------------------------------------------------------- pickling
+def test_accelerator_pickles_settings_and_trains_after_unpickling():
+    import pickle
+
+    acc = _acc(mixed_precision="bf16", gradient_accumulation_steps=2, nonfinite_grads="raise")
+    model = torch.nn.Linear(2, 1)
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2))
+    acc.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), 1))
+    again = pickle.loads(pickle.dumps(acc))
+    assert again.state.__dict__ == acc.state.__dict__
+    assert (again.mixed_precision, again.gradient_accumulation_steps, again.backend) == ("bf16", 2, "single")
+    assert again.prepared.models == [] and again._checkpoint_objects == []  # prepared objects are not carried
+    m = torch.nn.Linear(2, 1)
+    m, opt = again.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))
+    assert again.engine.nonfinite_grads == "raise"  # the engine's settings were carried
+    before = m.weight.detach().clone()
+    for _ in range(2):
+        with again.accumulate(m):
+            again.backward(m(torch.ones(2, 2)).sum())
+            opt.step()
+            opt.zero_grad()
+    assert not torch.equal(before, m.weight.detach()) and again.last_step.stepped
+
+
+def test_partial_and_accelerator_state_are_backed_by_the_live_accelerator():
+    from mixprec.compat import state as compat_state
+
+    # _reset_state() would also reset Accelerators other tests of this process still hold.
+    others = [r() for r in compat_state._ACCELERATORS if r() is not None]
+    try:
+        _state_objects()
+    finally:
+        for acc in others:
+            acc.__dict__.pop("_state_reset", None)
+
+
+def _state_objects():
+    from mixprec import AcceleratorState, PartialState
+
+    first = _acc(mixed_precision="bf16")
+    assert AcceleratorState() is first.state and PartialState() is first.state
+    s = AcceleratorState()
+    assert (s.num_processes, s.process_index, s.local_process_index, s.mixed_precision, s.initialized) == (1, 0, 0, "bf16", True)
+    assert s.distributed_type == DistributedType.NO and s.device == torch.device("cpu")
+    second = _acc()
+    assert AcceleratorState() is second.state and AcceleratorState().mixed_precision == "no"
+    AcceleratorState._reset_state()
+    assert not first.state.initialized and not second.state.initialized
+    with pytest.raises(AttributeError, match=r"AcceleratorState._reset_state\(\)"):
+        second.prepare(torch.nn.Linear(1, 1))
+    third = _acc()
+    assert AcceleratorState() is third.state and third.state.initialized
+    third.prepare(torch.nn.Linear(1, 1))
+    third.end_training()
+    alone = PartialState()  # no live Accelerator: read from the environment (one process here)
+    assert alone is PartialState() and (alone.num_processes, alone.initialized) == (1, True)
+    # With fields it is a plain new state object, as before.
+    assert AcceleratorState(rank=0, world_size=1).num_processes == 1
+
+
+def test_stateful_dataloader_without_torchdata_names_the_fix(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchdata", None)
+    monkeypatch.setitem(sys.modules, "torchdata.stateful_dataloader", None)
+    with pytest.raises(ImportError, match=r"use_stateful_dataloader=True needs torchdata.*pip install torchdata"):
+        _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    acc = _acc()
+    with pytest.raises(ImportError, match="pip install torchdata"):
+        acc.dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=True)
+
+
+def test_stateful_dataloader_single_process_resumes(tmp_path):
+    pytest.importorskip("torchdata.stateful_dataloader")
+    acc = _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(20)), batch_size=3, shuffle=True))
+    got = []
+    for step, (b,) in enumerate(loader):
+        if step == 1:
+            state = loader.state_dict()
+        elif step > 1:
+            got.append(b.tolist())
+    loader.load_state_dict(state)
+    assert [b.tolist() for (b,) in loader] == got and len(got) == 5
+    # A checkpoint's loader state resumes only with the same layout: refused before loading.
+    for (b,) in loader:
+        acc.save_state(str(tmp_path / "ckpt"))
+        break
+    other = _acc(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    other.prepare(DataLoader(TensorDataset(torch.arange(20)), batch_size=4))
+    with pytest.raises(Exception, match="global batch of 3; this run has 1 and 4"):
+        other.load_state(str(tmp_path / "ckpt"))

@@ -24,6 +24,7 @@ from .compat import (
     GradientAccumulationPlugin,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    PartialState,
 )
 from .config import ConfigError, MixprecConfig
 from .diagnostics import doctor
@@ -57,6 +58,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
+    "PartialState",
     "build_info",
     "CollectiveDesyncError",
     "ConfigError",

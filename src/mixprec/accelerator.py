@@ -21,6 +21,7 @@ from .diagnostics.overflow import OverflowWatch, check_overflow_budget
 from .distributed import collectives
 from .distributed import watchdog as desync
 from .distributed.state import (
+    DetachedGroup,
     DistributedState,
     destroy_distributed,
     init_distributed,
@@ -42,13 +43,14 @@ from .policy import PrecisionPolicy, ScalerConfig
 from .progress import Progress
 from .startup import startup_line
 from .step import StepResult
-from .checkpoint.dataloader import ResumableDataLoader
+from .checkpoint.dataloader import ResumableDataLoader, StatefulPreparedDataLoader
 from .wrappers.dataloader import PreparedDataLoader
 from .wrappers.model import AutocastGate, is_prepared, restore_class
 from .wrappers.optimizer import PreparedOptimizer
 from .wrappers.scheduler import PreparedScheduler
 from .compat.api import AccelerateApi
 from .compat.setup import translate as translate_accelerate_options
+from .compat import state as compat_state
 from .compat.state import AcceleratorState
 from . import tracking
 
@@ -305,12 +307,18 @@ class Accelerator(AccelerateApi):
         # Accelerate's attribute names over the same DistributedState (compat/state.py).
         self.state = AcceleratorState.from_state(self.state, mixed_precision=self.policy.name,
                                                  backend_name=comm_cls.name)
+        compat_state.register(self)  # AcceleratorState() / PartialState() return this state
         self.split_batches = cfg.split_batches
         self.even_batches = cfg.even_batches
         self.data_seed = cfg.data_seed
         self.gradient_state = GradientState(cfg.gradient_accumulation_steps)
         self.gradient_state.sync_each_batch = compat.sync_each_batch
         self.use_seedable_sampler = compat.use_seedable_sampler
+        self.dispatch_batches = compat.dispatch_batches
+        self.use_stateful_dataloader = compat.use_stateful_dataloader
+        if self.use_stateful_dataloader:
+            _stateful_loader_class()  # without torchdata: the ImportError naming the fix, now
+        self._dispatch_group = None  # made at the first dispatched prepare_data_loader
         self.non_blocking = compat.non_blocking
         self.device_placement = bool(device_placement)
         self.scheduler_step_rule = scheduler_step_rule
@@ -344,6 +352,98 @@ class Accelerator(AccelerateApi):
             # life of the process (a script or a test that builds several in turn).
             weakref.finalize(self, self._watchdog.abandon)
 
+    # ------------------------------------------------------------ pickling
+    # [Note: pickling an Accelerator]
+    # Accelerate pickles its Accelerator (multiprocessing, notebook paths). A mixprec one
+    # pickles its settings: config, policy, state (its process group by name, see [Note:
+    # pickling a state] in distributed/state.py), dataloader and scheduler options, project
+    # configuration, trigger. The engine (C++ objects bound to the group), the prepared
+    # objects, registered checkpoint objects and hooks, trackers and the desync watchdog are
+    # not pickled: the unpickled Accelerator builds a fresh engine of the same kind at its
+    # first use (a collective on a multi-process group: every rank uses it), prepares anew,
+    # and where its process group does not exist (another job, a process without one) it
+    # raises a RuntimeError naming the fix when it communicates, not when unpickled.
+    _join = None  # the running join_uneven_inputs block (mixprec/join.py)
+    _NOT_PICKLED = ("_join", "_dispatch_group", "engine", "_engine", "_watchdog", "_models", "_optimizers", "_schedulers", "_dataloaders",
+                    "prepared", "trackers", "_checkpoint_objects", "_save_hooks", "_load_hooks", "_no_sync_depth",
+                    "_progress", "_autocast_gate", "_call_check", "gradient_state", "_ulysses",
+                    "_policy_logged", "_ended")
+
+    def __getstate__(self) -> dict:
+        if self.mesh is not None:
+            raise TypeError(
+                "an Accelerator under tensor or sequence parallelism cannot be pickled: its rank mesh holds "
+                "process subgroups that another process cannot find again; pickle the settings you need instead"
+            )
+        out = {k: v for k, v in self.__dict__.items() if k not in self._NOT_PICKLED}
+        comm_cls, fused, options = self._engine_args
+        out["_engine_args"] = (comm_cls, fused, {k: v for k, v in options.items() if k != "group"})
+        gs = self.gradient_state
+        engine = self.__dict__.get("_engine")
+        out["_unpickled"] = {
+            "accumulation_steps": gs.accumulation_steps, "sync_each_batch": gs.sync_each_batch,
+            "collective_timeout_s": self._call_check.timeout_s,
+            "engine_settings": None if engine is None else (
+                engine.nonfinite_grads, engine.clip_in_step, engine.cache_weight_casts),
+        }
+        return out
+
+    def __setstate__(self, values: dict) -> None:
+        values = dict(values)
+        extra = values.pop("_unpickled")
+        self.__dict__.update(values)
+        self._pending_engine_settings = extra["engine_settings"]
+        self.gradient_state = GradientState(extra["accumulation_steps"])
+        self.gradient_state.sync_each_batch = extra["sync_each_batch"]
+        self._watchdog = None
+        self._ulysses = None
+        self._policy_logged = False
+        self._ended = False
+        self._autocast_gate = AutocastGate()
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        self.prepared = PreparedObjects(self._models, self._optimizers, self._schedulers, self._dataloaders)
+        self.trackers, self._checkpoint_objects = [], []
+        self._save_hooks, self._load_hooks, self._no_sync_depth = {}, {}, {}
+        self._progress = None
+        self._call_check = CallCheck(extra["collective_timeout_s"])
+        self._dispatch_group = None
+        compat_state.register(self)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine of this Accelerator's backend (built at first use after unpickling)."""
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            engine = self._engine_after_unpickling()
+        return engine
+
+    @engine.setter
+    def engine(self, value: Engine) -> None:
+        self.__dict__["_engine"] = value
+
+    def _engine_after_unpickling(self) -> Engine:
+        if "_engine_args" not in self.__dict__:
+            raise AttributeError("engine: this Accelerator's __init__ did not finish")
+        comm_cls, fused, options = self._engine_args
+        options = dict(options)
+        if comm_cls.distributed:
+            group = self.state.group
+            if isinstance(group, DetachedGroup):
+                group.rank()  # the RuntimeError naming the fix
+            if group is None:
+                raise RuntimeError(f"this unpickled Accelerator's {comm_cls.name} engine has no process group; "
+                                   f"make a new Accelerator in this process")
+            options["group"] = group
+        engine = Engine(self.policy, self.device, comm_cls, fused_optimizer=fused, **options)
+        settings = self.__dict__.pop("_pending_engine_settings", None)
+        if settings is not None:
+            engine.set_nonfinite_policy(settings[0])
+            engine.clip_in_step, engine.cache_weight_casts = settings[1], settings[2]
+        self._engine_args = (comm_cls, fused, options)
+        self.engine = engine
+        _LIVE.add(self)
+        return engine
+
     def _renew_engine(self) -> None:
         """free_memory(): a fresh engine of the same kind, the old one's buffers released."""
         comm_cls, fused, options = self._engine_args
@@ -369,7 +469,8 @@ class Accelerator(AccelerateApi):
 
     @property
     def backend(self) -> str:
-        return self.engine.name
+        engine = self.__dict__.get("_engine")  # an unpickled Accelerator builds its engine at first use
+        return engine.name if engine is not None else self._engine_args[0].name
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -382,12 +483,27 @@ class Accelerator(AccelerateApi):
 
     @property
     def dataloader_config(self):
-        """The dataloader settings in effect, as a ``DataLoaderConfiguration``."""
+        """The dataloader settings in effect, as a ``DataLoaderConfiguration``. Assigning one
+        (mixprec's or Accelerate's) changes how dataloaders prepared from then on are served,
+        as in Accelerate; those prepared before keep theirs."""
         from .compat.options import DataLoaderConfiguration
 
         return DataLoaderConfiguration(split_batches=self.split_batches, even_batches=self.even_batches,
                                        use_seedable_sampler=self.use_seedable_sampler, data_seed=self.data_seed,
-                                       non_blocking=self.non_blocking)
+                                       non_blocking=self.non_blocking, dispatch_batches=self.dispatch_batches,
+                                       use_stateful_dataloader=self.use_stateful_dataloader)
+
+    @dataloader_config.setter
+    def dataloader_config(self, value) -> None:
+        from .compat.options import DataLoaderConfiguration, read_fields
+
+        dl = read_fields(value, DataLoaderConfiguration, "dataloader_config")
+        self.split_batches, self.even_batches = bool(dl.split_batches), bool(dl.even_batches)
+        self.use_seedable_sampler, self.data_seed = bool(dl.use_seedable_sampler), dl.data_seed
+        self.non_blocking, self.dispatch_batches = bool(dl.non_blocking), dl.dispatch_batches
+        self.use_stateful_dataloader = bool(dl.use_stateful_dataloader)
+        if self.use_stateful_dataloader:
+            _stateful_loader_class()
 
     @property
     def num_processes(self) -> int:
@@ -415,12 +531,20 @@ class Accelerator(AccelerateApi):
             print(*args, **kwargs)
 
     # --------------------------------------------------------------- prepare
+    def _check_not_reset(self) -> None:
+        """After ``AcceleratorState._reset_state()`` an Accelerator made before it cannot
+        prepare, as in Accelerate ([Note: state objects backed by the live Accelerator] in
+        compat/state.py)."""
+        if self.__dict__.get("_state_reset"):
+            raise AttributeError(compat_state.RESET_MESSAGE.format(name="distributed_type"))
+
     def prepare(self, *objs: Any):
         """Wrap models, optimizers, dataloaders and schedulers; returned in the order given.
 
         Models are prepared first, then optimizers (so they can be pointed at fp32
         masters), then schedulers and dataloaders.
         """
+        self._check_not_reset()
         for obj in objs:
             if not isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)) and not _is_scheduler(obj):
                 raise TypeError(
@@ -442,6 +566,7 @@ class Accelerator(AccelerateApi):
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        self._check_not_reset()
         if isinstance(model, PreparedOptimizer):
             raise TypeError("prepare_model() got an optimizer")
         if is_prepared(model) and model in self._models:
@@ -466,6 +591,7 @@ class Accelerator(AccelerateApi):
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        self._check_not_reset()
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
         if self._tp:
@@ -495,6 +621,7 @@ class Accelerator(AccelerateApi):
         self.clip_grad_norm_(params, self.gradient_clipping)
 
     def prepare_scheduler(self, scheduler) -> PreparedScheduler:
+        self._check_not_reset()
         if isinstance(scheduler, PreparedScheduler):
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
@@ -509,18 +636,38 @@ class Accelerator(AccelerateApi):
 
     def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader,
                             device_placement: Optional[bool] = None) -> PreparedDataLoader:
+        self._check_not_reset()
         if isinstance(dataloader, PreparedDataLoader):
             if dataloader in self._dataloaders:
                 return dataloader  # preparing twice gives the same loader
             dataloader = dataloader.original  # another Accelerator's: shard the user's loader anew
         original = dataloader
+        loader_cls = _stateful_loader_class() if self.use_stateful_dataloader else torch.utils.data.DataLoader
         # data_seed / use_seedable_sampler concern plain shuffling loaders only.
         plain_shuffle = (type(dataloader.sampler) is torch.utils.data.RandomSampler
                          and not dataloader.sampler.replacement
                          and dataloader.sampler.num_samples == len(dataloader.dataset))
         seed = self.data_seed if plain_shuffle else None
         seeded = plain_shuffle and (self.use_seedable_sampler or seed is not None)
-        if self.state.world_size > 1:
+        dispatch = self.dispatch_batches
+        if dispatch is None:  # Accelerate's default: rank 0 reads a stream (an IterableDataset)
+            dispatch = isinstance(dataloader.dataset, torch.utils.data.IterableDataset) and self.mesh is None
+        if dispatch and self.mesh is not None:
+            raise ValueError(
+                "dataloader_config.dispatch_batches=True is not supported under tensor or sequence parallelism (the "
+                "ranks of a TP/SP group read the same batches); use dispatch_batches=False"
+            )
+        if dispatch and self.state.world_size > 1:
+            from .data.dispatch import DispatchedLoader
+
+            if self._dispatch_group is None:  # its own group: [Note: dispatching batches]
+                self._dispatch_group = torch.distributed.new_group(backend="gloo")
+            if self.use_stateful_dataloader:  # rank 0 reads a StatefulDataLoader
+                dataloader = _as_stateful(dataloader, loader_cls)
+            dataloader = DispatchedLoader(dataloader, rank=self.state.rank, world_size=self.state.world_size,
+                                          group=self._dispatch_group, split_batches=self.split_batches,
+                                          even_batches=self.even_batches)
+        elif self.state.world_size > 1:
             # Under tensor or sequence parallelism the ranks of a TP/SP group read the same
             # batches: the loader shards over the data-parallel ranks only.
             mesh = self.mesh
@@ -528,16 +675,19 @@ class Accelerator(AccelerateApi):
                 dataloader, self.state, split_batches=self.split_batches,
                 even_batches=self.even_batches, seed=seed,
                 use_seedable_sampler=self.use_seedable_sampler,
-                shard=None if mesh is None else (mesh.dp_rank, mesh.dp_size),
+                shard=None if mesh is None else (mesh.dp_rank, mesh.dp_size), loader_cls=loader_cls,
             )
-        elif seeded:
-            # One process: the same seeded order (seed + epoch) several processes would share.
+        elif seeded or self.use_stateful_dataloader:
+            # One process: the same seeded order (seed + epoch) several processes would share;
+            # or the samplers that keep a StatefulDataLoader's position (data/sharding.py).
             dataloader = shard_dataloader(dataloader, self.state, seed=seed,
-                                          use_seedable_sampler=self.use_seedable_sampler)
+                                          use_seedable_sampler=self.use_seedable_sampler, loader_cls=loader_cls)
         place = self.device_placement if device_placement is None else device_placement
-        # Resumable: save_state records the position in the pass, load_state skips ahead.
-        prepared = ResumableDataLoader(dataloader, self.device if place else None, self.gradient_state,
-                                       original=original, non_blocking=self.non_blocking)
+        # Resumable: save_state records the position in the pass, load_state skips ahead
+        # (or, with use_stateful_dataloader, restores the StatefulDataLoader's own state).
+        kind = StatefulPreparedDataLoader if self.use_stateful_dataloader else ResumableDataLoader
+        prepared = kind(dataloader, self.device if place else None, self.gradient_state,
+                        original=original, non_blocking=self.non_blocking)
         sp = self.config.config.sequence_parallel
         if sp.prepare_batches:
             prepared.batch_transform = lambda batch, seq_dim=sp.seq_dim: self._sp_batch(batch, seq_dim)
@@ -716,7 +866,14 @@ class Accelerator(AccelerateApi):
         self._require_prepared("backward(loss)")
         if self._progress is not None:  # a snapshot, not a read ([Note: progress without host syncs])
             self._progress.loss_snapshot(loss)
-        self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
+        join = self._join  # inside join_uneven_inputs: the backward's announcement says how it ran
+        if join is not None:
+            join.via_accelerator = True
+        try:
+            self.engine.backward(self._divide_for_accumulation(loss), **kwargs)
+        finally:
+            if join is not None:
+                join.via_accelerator = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``.backward()`` on yourself (accumulation-divided and scaled)."""
@@ -736,6 +893,8 @@ class Accelerator(AccelerateApi):
         (``math.inf``: the norm only, nothing clipped)."""
         if isinstance(parameters, torch.Tensor):
             parameters = [parameters]
+        if self._join is not None:  # inside join_uneven_inputs: ranks that ran out clip too
+            self._join.announce_clip(max_norm, norm_type)
         return self.engine.clip_grad_norm_(list(parameters), max_norm, norm_type)
 
     @desync.tracked("clip_grad_value_")
@@ -831,15 +990,25 @@ class Accelerator(AccelerateApi):
             _first_barrier(self.state)
 
     def join_uneven_inputs(self, joinables, even_batches: Optional[bool] = None):
-        """Not supported: mixprec's engines have no shadow collectives for a rank whose data
-        ran out (torch's ``Join``). Raises NotImplementedError naming the workarounds."""
-        raise NotImplementedError(
-            "join_uneven_inputs() is not supported by mixprec (its engines cannot shadow the "
-            "collectives of a rank whose data ran out). Give every rank the same number of "
-            "batches instead: keep even_batches=True (the default) for prepared dataloaders, "
-            "or use drop_last=True. A rank that runs out early is named by collective desync "
-            "detection (docs/troubleshooting.md)."
-        )
+        """Context manager for loops where ranks get different numbers of batches (Accelerate's
+        semantics): a rank whose data ran out leaves the block and shadows the forwards,
+        backwards and optimizer steps the other ranks still run on ``joinables`` (prepared
+        models and optimizers), on every backend, so their collectives complete
+        ([Note: shadowing by announcement] in mixprec/join.py). ``even_batches`` overrides
+        the prepared map-style dataloaders' setting inside the block (an iterable one keeps
+        its own, with a warning). With even batches in effect it does nothing.
+
+        Example::
+
+            with accelerator.join_uneven_inputs([model, optimizer], even_batches=False):
+                for x, y in loader:
+                    accelerator.backward(loss_fn(model(x), y))
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+        from .join import join_uneven_inputs
+
+        return join_uneven_inputs(self, joinables, even_batches)
 
     def gather(self, tensor):
         """All-gather tensors (nested containers too), concatenated on dim 0."""
@@ -1093,6 +1262,34 @@ def _resolve_policy(
             )
         return dataclasses.replace(policy, **overrides) if overrides else policy
     return PrecisionPolicy.from_mixed_precision(mixed_precision or "no", **overrides)
+
+
+def _stateful_loader_class() -> type:
+    """torchdata's StatefulDataLoader, for ``use_stateful_dataloader=True``."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as e:
+        raise ImportError(
+            f"dataloader_config.use_stateful_dataloader=True needs torchdata's StatefulDataLoader, which is not "
+            f"importable here ({e}); install it (`pip install torchdata`), or drop the option: prepared "
+            f"dataloaders resume mid-epoch through save_state/load_state without it (docs/checkpointing.md)"
+        ) from None
+    return StatefulDataLoader
+
+
+def _as_stateful(loader: torch.utils.data.DataLoader, loader_cls: type) -> torch.utils.data.DataLoader:
+    """The same loader as a StatefulDataLoader (for rank 0 of a dispatched one)."""
+    from .data.sharding import _KEPT
+
+    if not isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        one = DistributedState()  # one process: no communication, the loader's own order
+        return shard_dataloader(loader, one, loader_cls=loader_cls)
+    kept = {k: getattr(loader, k) for k in _KEPT if hasattr(loader, k)}
+    if loader.num_workers > 0:
+        kept["prefetch_factor"] = loader.prefetch_factor
+    else:
+        kept.pop("persistent_workers", None)
+    return loader_cls(loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kept)
 
 
 def _env_world_size() -> int:

@@ -87,13 +87,15 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
         "script", "check_seedable_sampler_in_batch_sampler_shard()", (2,)),
     "script.training": ("script", "training_check(use_seedable_sampler=False)", (1, 2)),
     "script.training_seedable_sampler": ("script", "training_check(use_seedable_sampler=True)", (1, 2)),
-    # The same, with the two names that read Accelerate's process-wide state singleton
-    # (AcceleratorState(), and are_the_same_tensors which calls it) taken from the
-    # Accelerator under test instead: see state_overrides().
+    # The same, with the script's AcceleratorState import changed to the library's own
+    # (mixprec.AcceleratorState under mixprec: docs/migrating.md) and are_the_same_tensors,
+    # Accelerate's helper that reads Accelerate's singleton, given the Accelerator under
+    # test: see state_overrides().
     "script.training[own_state]": ("script", "training_check(use_seedable_sampler=False)", (1, 2)),
     "script.training_seedable_sampler[own_state]": ("script", "training_check(use_seedable_sampler=True)", (1, 2)),
     "script.trigger": ("script", "test_trigger()", (1, 2)),
     "script.reinstantiated_state": ("script", "test_reinstantiated_state()", (1, 2)),
+    "script.reinstantiated_state[own_state]": ("script", "test_reinstantiated_state()", (1, 2)),
     # test_distributed_data_loop.py (asserts two processes)
     "loop.even_batches": ("loop", "test_default_ensures_even_batch_sizes()", (2,)),
     "loop.disable_even_batches": ("loop", "test_can_disable_even_batches()", (2,)),
@@ -102,6 +104,8 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "loop.join_mixed_type_dataloaders": ("loop", "test_join_can_override_for_mixed_type_dataloaders()", (2,)),
     "loop.join_iterable_warning": ("loop", "test_join_raises_warning_for_iterable_when_overriding_even_batches()", (2,)),
     "loop.pickle_accelerator": ("loop", "test_pickle_accelerator()", (2,)),
+    "loop.stateful_dataloader": ("loop", "test_stateful_dataloader(create_accelerator())", (2,)),
+    "loop.stateful_dataloader_save_state": ("loop", "test_stateful_dataloader_save_state(create_accelerator())", (2,)),
     "loop.data_loader_no_shuffle": (
         "loop", "test_data_loader(DataLoader(DummyDataset(), shuffle=False, batch_size=BATCH_SIZE, "
         "num_workers=NUM_WORKERS), create_accelerator())", (2,)),
@@ -123,6 +127,12 @@ CHECKS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "metrics.torch_metrics_99_split": (
         "metrics", "test_torch_metrics(Accelerator(dataloader_config=DataLoaderConfiguration("
         "split_batches=True, dispatch_batches=False)), 99)", (1, 2)),
+    "metrics.torch_metrics_99_dispatch": (
+        "metrics", "test_torch_metrics(Accelerator(dataloader_config=DataLoaderConfiguration("
+        "split_batches=False, dispatch_batches=True)), 99)", (1, 2)),
+    "metrics.torch_metrics_99_split_dispatch": (
+        "metrics", "test_torch_metrics(Accelerator(dataloader_config=DataLoaderConfiguration("
+        "split_batches=True, dispatch_batches=True)), 99)", (1, 2)),
     "metrics.torch_metrics_512": ("metrics", "test_torch_metrics(Accelerator(), 512)", (1, 2)),
     "metrics.drop_last": ("metrics", "test_gather_for_metrics_drop_last()", (1, 2)),
     "metrics.iterable_dataset": ("metrics", "test_gather_for_metrics_with_iterable_dataset()", (1, 2)),
@@ -134,33 +144,30 @@ _DROPPED_IMPORTS = re.compile(r"^(import (datasets|evaluate|transformers)|from (
 
 
 def state_overrides(module, library: str) -> dict:
-    """For the ``[own_state]`` checks: ``AcceleratorState()`` gives ``Accelerator().state`` of
-    the Accelerator under test, ``are_the_same_tensors`` gathers with it, and test_ops.py's
-    ``gather``/``pad_across_processes``/``reduce`` are that Accelerator's methods. Accelerate's
-    ``AcceleratorState._reset_state()`` (called before changing the precision) is kept for
-    Accelerate; mixprec's Accelerators are independent objects, there is nothing to reset."""
+    """For the ``[own_state]`` checks: the script's ``AcceleratorState``/``PartialState`` are
+    the library's own (under mixprec: ``mixprec.AcceleratorState``/``mixprec.PartialState``,
+    the import docs/migrating.md tells such scripts to change), and Accelerate's helpers that
+    read Accelerate's singleton whatever the script imports (``are_the_same_tensors``, and
+    test_ops.py's ``gather``/``pad_across_processes``/``reduce``) go through the Accelerator
+    under test."""
     import torch
 
     accelerator_cls = module.Accelerator
-    real = getattr(module, "AcceleratorState", None)
+    overrides = {}
+    if library == "mixprec":
+        import mixprec
 
-    class StateOfAccelerator:
-        def __new__(cls):
-            return accelerator_cls().state
-
-        @staticmethod
-        def _reset_state(*args, **kwargs):
-            if library == "accelerate":
-                real._reset_state(*args, **kwargs)
+        overrides.update(AcceleratorState=mixprec.AcceleratorState, PartialState=mixprec.PartialState)
 
     def are_the_same_tensors(tensor):
         acc = accelerator_cls()
         gathered = acc.gather(tensor[None].clone().to(acc.device)).cpu()
         return all(torch.equal(gathered[0], t) for t in gathered)
 
-    overrides = {"AcceleratorState": StateOfAccelerator, "are_the_same_tensors": are_the_same_tensors}
-    acc = accelerator_cls()
-    overrides.update(gather=acc.gather, pad_across_processes=acc.pad_across_processes, reduce=acc.reduce)
+    overrides["are_the_same_tensors"] = are_the_same_tensors
+    if hasattr(module, "gather"):
+        acc = accelerator_cls()
+        overrides.update(gather=acc.gather, pad_across_processes=acc.pad_across_processes, reduce=acc.reduce)
     return {k: v for k, v in overrides.items() if hasattr(module, k)}
 
 

@@ -18,7 +18,8 @@ plus ``env=`` and the rank variables. The worker joins a new default process gro
 port, runs ``fn``, reports, then tears down what the call left, as a process exit would:
 Accelerators still alive are ended (watchdog stopped, engine released, see [Note: shutdown
 without end_training] in src/mixprec/accelerator.py), the process group is destroyed, mixprec's
-per-process counters are reset (src/mixprec/distributed/watchdog.py, src/mixprec/accelerator.py),
+per-process counters and state registry are reset (src/mixprec/distributed/watchdog.py, src/mixprec/accelerator.py,
+src/mixprec/compat/state.py),
 and torch/random/numpy RNG states, default dtype, grad mode, autocast, deterministic mode,
 matmul precision, thread count, warnings filters, logging, signal handlers and environment are
 put back to what they were when the worker started (tqdm's monitor thread is stopped; an
@@ -363,6 +364,7 @@ def _teardown(saved: _Saved) -> bool:
 
     import mixprec.accelerator as acc_mod
     from mixprec.checkpoint import sync as checkpoint_sync
+    from mixprec.compat import state as compat_state
     from mixprec.distributed import watchdog
     from mixprec.distributed.state import DistributedState, destroy_distributed
 
@@ -380,6 +382,7 @@ def _teardown(saved: _Saved) -> bool:
         traceback.print_exc()
         clean = False
     acc_mod._CREATED_GROUPS.clear()
+    compat_state.forget_process_states()
     watchdog._INSTANCES[0] = 0
     checkpoint_sync._INSTANCES[0] = 0
     watchdog._ACTIVE[0] = None

@@ -208,12 +208,16 @@ def test_a_slow_step_on_every_rank_is_not_a_desync(tmp_path):
         assert "collective desync" not in out
 
 
-def test_join_uneven_inputs_names_the_workaround():
+def test_join_uneven_inputs_on_one_process_and_bad_joinables():
+    # Uneven data across processes: tests/distributed/test_join.py.
     from mixprec import Accelerator
 
     acc = Accelerator(cpu=True, log_policy=False)
-    with pytest.raises(NotImplementedError, match="even_batches=True .* drop_last=True"):
-        acc.join_uneven_inputs([])
+    with acc.join_uneven_inputs([], even_batches=False) as joined:
+        assert joined == []
+    with pytest.raises(TypeError, match="joins models and optimizers returned by accelerator.prepare"):
+        with acc.join_uneven_inputs([object()]):
+            pass
 
 
 def _drop_an_accelerator(state):

@@ -103,7 +103,8 @@ class ResumableDataLoader(PreparedDataLoader):
 
     def total_batch_size(self) -> int:
         """Samples one batch stands for across all processes (to translate positions)."""
-        for obj in (getattr(self.dataloader, "batch_sampler", None), getattr(self.dataloader, "dataset", None)):
+        for obj in (getattr(self.dataloader, "batch_sampler", None), getattr(self.dataloader, "dataset", None),
+                    self.dataloader):
             value = getattr(obj, "total_batch_size", None)
             if isinstance(value, int):
                 return value
@@ -144,6 +145,82 @@ class ResumableDataLoader(PreparedDataLoader):
         self._mixprec_skip = samples // mine
         self._mixprec_order_rng = state["epoch_rng"] if state["in_progress"] else None
         self._mixprec_in_progress = False
+
+
+class StatefulPreparedDataLoader(ResumableDataLoader):
+    """``use_stateful_dataloader=True``: the wrapped loader is torchdata's
+    ``StatefulDataLoader`` (or, under ``dispatch_batches``, a DispatchedLoader reading one on
+    rank 0), whose samplers and dataset keep their own position (mixprec/data/sharding.py's
+    ``_ResumablePass``; a dataset with ``state_dict``, e.g. a streaming Hugging Face dataset).
+
+    ``state_dict()`` is the wrapped loader's state *after the batch the loop holds*: the
+    prepared loader reads one batch ahead (to mark the last one), so the state is taken
+    before each read, not after. ``load_state_dict()`` makes the next pass continue with the
+    next batch, without loading the skipped ones. ``save_state``/``load_state`` store it
+    with the other dataloader positions.
+    """
+
+    _mixprec_before_read: Optional[dict] = None  # the wrapped loader's state before its latest read
+
+    def _batches(self):
+        inner = self.dataloader
+        it = iter(inner)
+
+        def reads():
+            while True:
+                self._mixprec_before_read = inner.state_dict()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                yield batch
+
+        return reads()
+
+    def __iter__(self):
+        self._mixprec_before_read = None
+        return super().__iter__()
+
+    def state_dict(self) -> Optional[dict]:
+        if self._mixprec_in_progress and self._mixprec_before_read is not None:
+            return self._mixprec_before_read
+        return self.dataloader.state_dict()
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        self.dataloader.load_state_dict(state)
+        self._mixprec_before_read = None
+        self._mixprec_skip, self._mixprec_order_rng, self._mixprec_in_progress = 0, None, False
+
+    def _layout(self) -> tuple:
+        """(processes the loader is sharded over, global batch size): what a state needs."""
+        inner = self.dataloader
+        world = getattr(getattr(inner, "batch_sampler", None), "world_size", getattr(inner, "world_size", 1))
+        return int(world), self.total_batch_size()
+
+    def checkpoint_state(self) -> dict:
+        out = super().checkpoint_state()
+        out["stateful"] = self.state_dict()
+        out["stateful_layout"] = self._layout()
+        return out
+
+    def load_checkpoint_state(self, state: dict, index: int) -> None:
+        self.check_stateful(state, index)
+        self.load_state_dict(state["stateful"])
+
+    def check_stateful(self, state: dict, index: int) -> None:
+        """Raise a ValueError when ``state`` cannot be resumed here (load_state's phase 1)."""
+        if "stateful" not in state:
+            raise ValueError(
+                f"dataloader {index}: the checkpoint has no StatefulDataLoader state (it was saved without "
+                f"use_stateful_dataloader=True); load it with the same dataloader_config"
+            )
+        saved, mine = tuple(state.get("stateful_layout", ())), self._layout()
+        if saved and saved != mine:
+            raise ValueError(
+                f"dataloader {index}: its StatefulDataLoader state was saved sharded over {saved[0]} process(es) "
+                f"with a global batch of {saved[1]}; this run has {mine[0]} and {mine[1]}. Resume with the same "
+                f"layout, or without use_stateful_dataloader (positions are then translated through samples)"
+            )
 
 
 def make_resumable(loader: PreparedDataLoader) -> ResumableDataLoader:

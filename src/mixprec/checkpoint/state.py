@@ -34,7 +34,7 @@ import torch
 from ..distributed import collectives
 from ..step import StepResult
 from . import format as fmt
-from .dataloader import ResumableDataLoader
+from .dataloader import ResumableDataLoader, StatefulPreparedDataLoader
 from .format import CheckpointError
 from .reader import CheckpointReader
 from .rng import capture_rng, restore_rng
@@ -138,7 +138,7 @@ def load_accelerator_state(acc, source: Path, custom: list) -> CheckpointReader:
         )
     for i, (dl, saved) in enumerate(zip(acc.prepared.dataloaders, mine["dataloaders"])):
         if saved is not None:
-            ResumableDataLoader.load_checkpoint_state(_resumable(dl), saved, i)
+            _resumable(dl).load_checkpoint_state(saved, i)  # a StatefulPreparedDataLoader's own
     if own:
         restore_rng(mine["rng"])
     return reader
@@ -260,6 +260,12 @@ def _validate_dataloaders(acc, mine: dict) -> None:
     """The positions ``load_checkpoint_state`` will apply are whole numbers of batches here."""
     for i, (dl, saved) in enumerate(zip(acc.prepared.dataloaders, mine["dataloaders"])):
         if saved is None:
+            continue
+        if isinstance(dl, StatefulPreparedDataLoader):
+            try:
+                dl.check_stateful(saved, i)  # reads only
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
             continue
         samples = saved["yielded"] * saved["total_batch_size"]
         ours = ResumableDataLoader.total_batch_size(dl)  # unbound: phase 1 changes nothing

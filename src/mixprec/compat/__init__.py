@@ -15,7 +15,7 @@ from .options import (
     GradScalerKwargs,
     InitProcessGroupKwargs,
 )
-from .state import AcceleratorState
+from .state import AcceleratorState, PartialState
 
 __all__ = [
     "AcceleratorState",
@@ -25,4 +25,5 @@ __all__ = [
     "GradientAccumulationPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
+    "PartialState",
 ]

@@ -38,9 +38,11 @@ class DistributedType(str, enum.Enum):
 class DataLoaderConfiguration:
     """How ``prepare()`` shards dataloaders (Accelerate's fields and defaults).
 
-    ``dispatch_batches=True`` (rank 0 loads and sends batches) does not exist here: every
-    rank loads its own share; ``use_stateful_dataloader`` neither: ``save_state`` records
-    the position of every prepared dataloader (docs/checkpointing.md).
+    ``dispatch_batches`` (None: True for an ``IterableDataset``): rank 0 reads, every rank
+    receives its slice (mixprec/data/dispatch.py). ``use_stateful_dataloader``: prepared
+    loaders run on torchdata's ``StatefulDataLoader`` and resume from its state
+    (mixprec/checkpoint/dataloader.py); without it ``save_state`` still records every
+    prepared dataloader's position (docs/checkpointing.md).
     """
 
     split_batches: bool = False

@@ -29,6 +29,8 @@ class CompatSettings:
     use_seedable_sampler: bool = False
     non_blocking: bool = False
     sync_each_batch: bool = False
+    dispatch_batches: Optional[bool] = None  # None: True for an IterableDataset (mixprec/data/dispatch.py)
+    use_stateful_dataloader: bool = False
     ddp_options: dict = dataclasses.field(default_factory=dict)
     timeout: Optional[datetime.timedelta] = None
     scaler: Any = None  # a mixprec.ScalerConfig from GradScalerKwargs
@@ -63,17 +65,8 @@ def translate(
         )
     if dataloader_config is not None:
         dl = read_fields(dataloader_config, DataLoaderConfiguration, "dataloader_config")
-        if dl.dispatch_batches:
-            raise ValueError(
-                "dataloader_config.dispatch_batches=True (rank 0 loads every batch and sends slices) does not "
-                "exist in mixprec: every process loads its own share. Use dispatch_batches=None/False; for an "
-                "IterableDataset each process reads the stream and keeps its slice (mixprec/data/sharding.py)"
-            )
-        if dl.use_stateful_dataloader:
-            raise ValueError(
-                "dataloader_config.use_stateful_dataloader=True has no counterpart: prepared dataloaders "
-                "already resume mid-epoch through save_state/load_state (docs/checkpointing.md); drop it"
-            )
+        out.dispatch_batches = dl.dispatch_batches
+        out.use_stateful_dataloader = bool(dl.use_stateful_dataloader)
         _merge(given, "split_batches", dl.split_batches, "dataloader_config.split_batches")
         _merge(given, "even_batches", dl.even_batches, "dataloader_config.even_batches")
         _merge(given, "data_seed", dl.data_seed, "dataloader_config.data_seed")

@@ -27,7 +27,15 @@ import math
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from ..distributed.collectives import broadcast_object_list
 from ..distributed.state import DistributedState
@@ -47,7 +55,52 @@ _KEPT = (
 )
 
 
-class ShardedBatchSampler(torch.utils.data.Sampler):
+class _ResumablePass:
+    """torchdata's Stateful protocol for the sharded samplers (``use_stateful_dataloader``):
+    ``state_dict()`` holds the current pass's order and how many batches this rank's
+    iterator gave out; after ``load_state_dict()`` the next pass is that order, from the next
+    batch, without drawing (or communicating) anything and without loading the skipped
+    batches. The order is kept whole (a list of indices), so the state grows with the
+    dataset: about 8 bytes per sample pickled."""
+
+    _resume: Optional[dict] = None
+    _pass: Any = None  # the current pass's order (None between passes)
+    _yielded = 0  # batches this rank's iterator gave out in the current pass
+
+    def state_dict(self) -> dict:
+        return {"epoch": getattr(self, "epoch", None), "pass": self._pass, "yielded": self._yielded,
+                "remainder": getattr(self, "remainder", None)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("epoch") is not None:
+            self.epoch = state["epoch"]
+        self._resume = state if state.get("pass") is not None else None
+        self._pass, self._yielded = None, 0
+
+    def _start_pass(self, draw):
+        """(order, batches to skip) of a new pass: the resumed one, or a new draw."""
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            if resume.get("remainder") is not None and isinstance(self, ShardedBatches):
+                self.remainder = resume["remainder"]  # (ShardedBatchSampler computes its own)
+            self._pass, self._yielded = resume["pass"], 0
+            return resume["pass"], resume["yielded"]
+        self._pass, self._yielded = draw(), 0
+        return self._pass, 0
+
+    def _give(self, batches, skip: int):
+        """Yield ``batches`` after the first ``skip``, counting what was given out."""
+        produced = 0
+        for batch in batches:
+            produced += 1
+            if produced <= skip:
+                continue
+            self._yielded = produced
+            yield batch
+        self._pass, self._yielded = None, 0
+
+
+class ShardedBatchSampler(_ResumablePass, torch.utils.data.Sampler):
     """Yields this rank's index batches; see the module docstring for the layout.
 
     Attributes: ``total_dataset_length`` (samples in the dataset), ``total_batch_size``
@@ -56,9 +109,10 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
 
     The epoch's order comes either from ``shuffle_seed + epoch`` (a seeded shuffle: the
     epoch advances after every complete pass, or is chosen by ``set_epoch``) or from
-    iterating ``sampler`` itself; then, with ``sync``, the generator the sampler draws from
-    is first given rank 0's state, so every rank draws the same order and successive passes
-    draw new ones, as a single process iterating the original loader would.
+    iterating ``sampler`` itself; then, with ``sync``, every rank takes rank 0's order (its
+    generators get rank 0's state, or rank 0 draws the order and sends it: [Note: one pass
+    order on every rank]), and successive passes draw new ones, as a single process
+    iterating the original loader would.
     """
 
     def __init__(
@@ -97,9 +151,7 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         if self.shuffle_seed is not None:
             g = torch.Generator().manual_seed(self.shuffle_seed + self.epoch)
             return torch.randperm(self.total_dataset_length, generator=g).tolist()
-        if self.sync is not None:
-            sync_generators(self.sync, self.sampler)
-        return [int(i) for i in self.sampler]
+        return agreed_pass(self.sync, self.sampler, lambda: [int(i) for i in self.sampler])
 
     @property
     def num_global_batches(self) -> int:
@@ -123,7 +175,14 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
         return steps if start < self.total_dataset_length else steps - 1
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self._order()
+        order, skip = self._start_pass(self._order)
+        yield from self._give(self._batches_of(order), skip)
+        if self.shuffle_seed is not None:
+            # A complete pass moves to the next epoch's order (Accelerate's seedable sampler);
+            # set_epoch() still chooses one explicitly.
+            self.epoch += 1
+
+    def _batches_of(self, order: list[int]) -> Iterator[list[int]]:
         n, g, b = len(order), self.total_batch_size, self.batch_size
         for step in range(self.num_global_batches):
             lo = step * g + self.rank * b
@@ -138,10 +197,6 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
                 wrap_start = max(0, lo - n)
                 batch = batch + [order[(wrap_start + i) % n] for i in range(need)]
             yield batch
-        if self.shuffle_seed is not None:
-            # A complete pass moves to the next epoch's order (Accelerate's seedable sampler);
-            # set_epoch() still chooses one explicitly.
-            self.epoch += 1
 
 
 def find_generators(obj: Any) -> list[torch.Generator]:
@@ -162,6 +217,45 @@ def find_generators(obj: Any) -> list[torch.Generator]:
     return found
 
 
+# [Note: one pass order on every rank]
+# Sharding is only exact (each sample once per epoch across processes) when every rank
+# shards the *same* pass. A sampler whose whole randomness sits in torch Generators that
+# can be found (a torch Random/WeightedRandom/SubsetRandomSampler with ``generator=``, a
+# BatchSampler over one) is made to agree by giving those generators rank 0's state: each
+# rank then draws rank 0's order itself. Anything else (such a sampler *without* a
+# generator, which draws from each rank's own torch RNG; a custom sampler or batch sampler
+# of unknown make) is drawn on rank 0 only and its pass (the index list, or the list of
+# index batches) is broadcast: one object broadcast per pass, exact whatever the sampler
+# does. Plain lists, ranges and SequentialSamplers are the same on every rank already.
+_GENERATOR_SAMPLERS = (RandomSampler, WeightedRandomSampler, SubsetRandomSampler)
+
+
+def draws_only_from_generators(obj: Any) -> bool:
+    """Whether iterating ``obj`` (a sampler or batch sampler) is decided by fixed data and
+    findable torch Generators alone, so synchronising those generators suffices."""
+    if isinstance(obj, (list, tuple, range)):
+        return True
+    kind = type(obj)
+    if kind is BatchSampler:
+        return draws_only_from_generators(obj.sampler)
+    if kind is SequentialSampler:
+        return True
+    if kind in _GENERATOR_SAMPLERS:
+        return isinstance(obj.generator, torch.Generator)
+    return False
+
+
+def agreed_pass(state: Optional[DistributedState], sampler: Any, draw: Any) -> Any:
+    """``draw()`` (one pass over ``sampler``), the same on every rank of ``state`` (None: no
+    agreement needed). A collective. See [Note: one pass order on every rank]."""
+    if state is None or state.world_size == 1:
+        return draw()
+    if draws_only_from_generators(sampler):
+        sync_generators(state, sampler)
+        return draw()
+    return broadcast_object_list(state, [draw() if state.rank == 0 else None], src=0)[0]
+
+
 def sync_generators(state: DistributedState, sampler: Any) -> None:
     """Give every generator ``sampler`` draws from rank 0's state (a collective)."""
     generators = find_generators(sampler)
@@ -172,7 +266,7 @@ def sync_generators(state: DistributedState, sampler: Any) -> None:
         g.set_state(st)
 
 
-class ShardedBatches(torch.utils.data.Sampler):
+class ShardedBatches(_ResumablePass, torch.utils.data.Sampler):
     """This rank's share of the batches of any batch sampler (a custom ``batch_sampler``, or
     a ``BatchSampler`` given as ``sampler`` with ``batch_size=None``).
 
@@ -181,8 +275,9 @@ class ShardedBatches(torch.utils.data.Sampler):
     ``even_batches`` a short last batch is completed, and missing last batches are made,
     from the first indices of the pass, so every rank gets the same number of batches of
     ``batch_size``; ``remainder`` is how many samples of the last global step are real.
-    The batch sampler must give the same batches on every rank: the torch Generators it
-    draws from get rank 0's state at the start of each pass (``sync``).
+    Every rank shards the same pass ([Note: one pass order on every rank]): the torch
+    Generators the batch sampler draws from get rank 0's state at the start of each pass,
+    or, when its randomness cannot be found that way, rank 0 draws the pass and sends it.
     """
 
     def __init__(self, batch_sampler: Any, *, rank: int, world_size: int, split_batches: bool,
@@ -220,9 +315,8 @@ class ShardedBatches(torch.utils.data.Sampler):
 
     def _global_steps(self) -> list[list[list[int]]]:
         """The pass as global steps, each a list of ``world_size`` index lists."""
-        if self.sync is not None:
-            sync_generators(self.sync, self.batch_sampler)
-        batches = [[int(i) for i in b] for b in self.batch_sampler]
+        batches = agreed_pass(self.sync, self.batch_sampler,
+                              lambda: [[int(i) for i in b] for b in self.batch_sampler])
         size = self.batch_size or max((len(b) for b in batches), default=0)
         flat = [i for b in batches for i in b]
 
@@ -261,9 +355,9 @@ class ShardedBatches(torch.utils.data.Sampler):
         return steps
 
     def __iter__(self):
-        for step in self._global_steps():
-            if self.rank < len(step) and step[self.rank]:
-                yield step[self.rank]
+        steps, skip = self._start_pass(self._global_steps)
+        mine = (step[self.rank] for step in steps if self.rank < len(step) and step[self.rank])
+        yield from self._give(mine, skip)
 
 
 class IterableDatasetShard(IterableDataset):
@@ -329,12 +423,15 @@ def shard_dataloader(
     seed: Optional[int] = None,
     use_seedable_sampler: bool = False,
     shard: Optional[tuple[int, int]] = None,
+    loader_cls: type = DataLoader,
 ) -> DataLoader:
     """A new DataLoader over the same dataset that yields this rank's share of the batches.
 
     ``shard=(index, count)`` shards over ``count`` parts instead of the processes (tensor
     parallelism: the data-parallel ranks, the ranks of one TP group reading the same
-    batches); shuffling is still agreed by every process of ``state``.
+    batches); shuffling is still agreed by every process of ``state``. ``loader_cls``: the
+    class of the returned loader (torchdata's ``StatefulDataLoader`` for
+    ``use_stateful_dataloader``; the sharded samplers have its ``state_dict`` protocol).
 
     Keeps ``collate_fn``, ``num_workers``, ``pin_memory``, ``drop_last``, ``generator`` and
     the other settings. For a map-style dataset with a batch size the returned loader's
@@ -348,7 +445,9 @@ def shard_dataloader(
     * by default every pass iterates the loader's own sampler, after giving the generator it
       draws from rank 0's state: all ranks see the same order, each pass a new one, and the
       same order a single process iterating the original loader sees (a ``RandomSampler``
-      without a generator gets one, seeded from rank 0's torch RNG);
+      without a generator gets one, seeded from rank 0's torch RNG; a sampler or batch sampler
+      whose randomness is not in a generator it exposes is drawn on rank 0 and sent, see
+      [Note: one pass order on every rank]);
     * with ``seed`` (or ``use_seedable_sampler=True``: ``seed`` is then rank 0's
       ``torch.initial_seed()``), a ``RandomSampler``'s order is ``randperm`` seeded with
       ``seed + epoch``; the epoch advances after each complete pass, ``set_epoch`` sets it.
@@ -386,7 +485,7 @@ def shard_dataloader(
         if batch_sampler is not None:
             shard = ShardedBatches(batch_sampler, rank=rank, world_size=world, split_batches=split_batches,
                                    even_batches=even_batches, sync=sync)
-            return DataLoader(dataloader.dataset, batch_sampler=shard, **kept)
+            return loader_cls(dataloader.dataset, batch_sampler=shard, **kept)
         if not _iterates_lists(sampler):
             raise ValueError(
                 f"shard_dataloader() got batch_size=None and a {type(sampler).__name__} sampler that does not "
@@ -394,7 +493,7 @@ def shard_dataloader(
             )
         shard = ShardedBatches(sampler, rank=rank, world_size=world, split_batches=split_batches,
                                even_batches=even_batches, sync=sync)
-        return DataLoader(dataloader.dataset, sampler=shard, batch_size=None, **kept)
+        return loader_cls(dataloader.dataset, sampler=shard, batch_size=None, **kept)
     if batch_size is None:
         raise ValueError(
             f"shard_dataloader() got an iterable dataset with batch_size=None; sharding an iterable "
@@ -415,7 +514,7 @@ def shard_dataloader(
         shard = IterableDatasetShard(
             dataloader.dataset, rank=rank, world_size=world, batch_size=per_rank, total_batch_size=total, drop_last=drop_last
         )
-        return DataLoader(shard, batch_size=per_rank, drop_last=drop_last, **kept)
+        return loader_cls(shard, batch_size=per_rank, drop_last=drop_last, **kept)
 
     shuffle_seed = None
     plain_shuffle = (type(sampler) is RandomSampler and not sampler.replacement
@@ -455,7 +554,7 @@ def shard_dataloader(
         shuffle_seed=shuffle_seed,
         sync=sync if shuffle_seed is None else None,
     )
-    return DataLoader(dataloader.dataset, batch_sampler=sharded, **kept)
+    return loader_cls(dataloader.dataset, batch_sampler=sharded, **kept)
 
 
 def _iterates_lists(sampler: Any) -> bool:

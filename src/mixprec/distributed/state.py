@@ -59,6 +59,79 @@ class DistributedState:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    # [Note: pickling a state]
+    # A ProcessGroup cannot be pickled. The state pickles the group's name instead; unpickling
+    # finds the group of that name and size again in the unpickling process (the same process,
+    # or another rank of the same job), else puts a DetachedGroup there, which raises a
+    # RuntimeError naming the fix at its first use, not at unpickling.
+    def __getstate__(self) -> dict:
+        out = dict(self.__dict__)
+        if out.get("group") is not None:
+            out["group"] = GroupRef(_group_name(out["group"]), out["world_size"])
+        return out
+
+    def __setstate__(self, values: dict) -> None:
+        values = dict(values)
+        if isinstance(values.get("group"), GroupRef):
+            values["group"] = values["group"].resolve()
+        self.__dict__.update(values)  # frozen: bypasses the dataclass's __setattr__
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRef:
+    """A process group by name, as pickled ([Note: pickling a state])."""
+
+    name: Optional[str]
+    world_size: int
+
+    def resolve(self) -> Any:
+        """The live group of this name and size, or a :class:`DetachedGroup`."""
+        found = find_group(self.name)
+        if found is not None and dist.get_world_size(found) == self.world_size:
+            return found
+        return DetachedGroup(self.name, self.world_size)
+
+
+class DetachedGroup:
+    """Stands for the process group of an unpickled state in a process that has no group of
+    that name and size: any use raises a RuntimeError naming the fix."""
+
+    def __init__(self, name: Optional[str], world_size: int) -> None:
+        object.__setattr__(self, "_ref", (name, world_size))
+
+    def __reduce__(self):
+        return (DetachedGroup, self._ref)
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__") or attr == "_ref":
+            raise AttributeError(attr)
+        name, world = self._ref
+        raise RuntimeError(
+            f"this object was unpickled in a process without its process group ({name!r}, {world} "
+            f"processes): it cannot communicate. Unpickle it in a process of the same job (after the "
+            f"job's process group is initialised, e.g. under `mixprec launch`), or make a new Accelerator there"
+        )
+
+    def __repr__(self) -> str:
+        return f"DetachedGroup(name={self._ref[0]!r}, world_size={self._ref[1]})"
+
+
+def _group_name(group: Any) -> Optional[str]:
+    try:
+        return group.group_name
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def find_group(name: Optional[str]) -> Any:
+    """The live process group named ``name`` in this process, or None."""
+    if name is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.group.WORLD.group_name == name:
+        return dist.group.WORLD
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", {})
+    return next((pg for pg, n in names.items() if n == name), None)
+
 
 def _env_int(name: str, *, default: Optional[int] = None, minimum: int = 0) -> int:
     raw = os.environ.get(name)

@@ -95,11 +95,11 @@ class PreparedDataLoader(torch.utils.data.DataLoader):
 
     def _remainder(self):
         """Real samples in the last global batch when the loader was sharded (else None)."""
-        for name in ("batch_sampler", "sampler", "dataset"):
-            value = getattr(getattr(self.dataloader, name, None), "remainder", None)
+        for obj in (getattr(self.dataloader, name, None) for name in ("batch_sampler", "sampler", "dataset")):
+            value = getattr(obj, "remainder", None)
             if value is not None:
                 return value
-        return None
+        return getattr(self.dataloader, "remainder", None)  # a DispatchedLoader (data/dispatch.py)
 
     def set_epoch(self, epoch: int) -> None:
         """Forward to the sampler (and batch sampler) for per-epoch shuffling."""

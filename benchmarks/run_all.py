@@ -543,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--only keeps the other sections from {prior_path}, which does not exist: run the full "
                      "`python benchmarks/run_all.py` first")
         res = json.loads(prior_path.read_text())
+        missing = [s for s in SECTIONS if s not in res and s not in args.only]
+        if missing or res.get("quick"):
+            ap.error(f"{prior_path} is " + ("a --quick run's" if res.get("quick") else
+                     f"missing the section(s) {missing}") + ": measure them too (--only ... "
+                     + " ".join(missing) + ") or run the full `python benchmarks/run_all.py`")
         new = measure_all(FULL, only=tuple(args.only))
         for section in args.only:
             res[section] = new[section]

@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         res["machine"] = info
         res["command"], res["quick"] = command, args.quick
     (args.out / "results.json").write_text(json.dumps(res, indent=1, default=str))
-    write_report(res, info, args.out, command, args.quick)
+    write_report(res, info, args.out, res["command"] if args.only else command, args.quick)
     write_plots(res, args.out)
     log(f"wrote {args.out / 'RESULTS.md'}, results.json and {len(PLOTS)} plots"
         + ("" if args.only else f" in {res['total_s'] / 60:.1f} min"))

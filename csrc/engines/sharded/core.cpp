@@ -7,6 +7,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+
+#include <deque>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -264,8 +266,7 @@ void ShardedCore::complete_locked(size_t b) {
   auto owned = options_.collective == Collective::kReduceScatter
                    ? bucket.reduced
                    : reduced_full.narrow(0, layout_.rank() * info.shard, info.shard);
-  ensure_grad_shard_locked();
-  grad_.narrow(0, info.shard_offset, info.shard).add_(owned);  // into fp32 (promotes)
+  grad_slice_locked(b).add_(owned);  // into fp32 (promotes)
   bucket.reduced = at::Tensor();
   bucket.sent = at::Tensor();
   if (options_.free_grad_buckets) {
@@ -322,13 +323,41 @@ void ShardedCore::reduce_locked() {
 }
 
 void ShardedCore::ensure_grad_shard_locked() {
-  // [Note: what lives between steps]: a released shard is allocated again, zeroed.
-  if (!grad_.defined()) grad_ = at::zeros({layout_.shard_numel()}, master_.options());
+  // [Note: what lives between steps]: a released shard is allocated again; each bucket's
+  // slice is zeroed when first used ([Note: gradient shard pages]).
+  if (!grad_.defined()) {
+    grad_ = at::empty({layout_.shard_numel()}, master_.options());
+    slice_zeroed_.assign(buckets_.size(), false);
+  }
+}
+
+at::Tensor ShardedCore::grad_slice_locked(size_t b) {
+  // [Note: gradient shard pages]
+  ensure_grad_shard_locked();
+  const auto& info = layout_.buckets()[b];
+  auto slice = grad_.narrow(0, info.shard_offset, info.shard);
+  if (!slice_zeroed_[b]) {
+    slice.zero_();
+    slice_zeroed_[b] = true;
+  }
+  return slice;
+}
+
+void ShardedCore::materialize_grad_shard_locked() {
+  ensure_grad_shard_locked();
+  for (size_t b = 0; b < buckets_.size(); ++b) grad_slice_locked(b);
 }
 
 void ShardedCore::ensure_grad_shard() {
   std::lock_guard<std::mutex> lock(mutex_);
-  ensure_grad_shard_locked();
+  materialize_grad_shard_locked();
+}
+
+at::Tensor ShardedCore::grad_shard() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Every slice a reader can see holds its value: zeros where no reduction landed yet.
+  if (grad_.defined()) materialize_grad_shard_locked();
+  return grad_;
 }
 
 int64_t ShardedCore::grad_shard_bytes() const {
@@ -341,6 +370,7 @@ void ShardedCore::zero_grad(bool release) {
     grad_ = at::Tensor();  // freed unless the user still holds a .grad view of it
   } else if (grad_.defined()) {
     grad_.zero_();
+    slice_zeroed_.assign(buckets_.size(), true);
   }
   for (auto& bucket : buckets_) {
     if (bucket.grads.defined()) {
@@ -365,17 +395,24 @@ at::Tensor ShardedCore::gather_source(size_t b) const {
 
 void ShardedCore::gather_params() {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<at::Tensor> inputs;  // alive until every gather is done
+  // [Note: bounded gathers]: at most kGathersInFlight buckets' rounded sources (and the
+  // collectives' own buffers) exist at once, not one per bucket.
+  constexpr size_t kGathersInFlight = 2;
+  std::deque<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> inflight;  // work, its input
   int64_t bytes = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    inputs.push_back(gather_source(b));
-    works.push_back(compat::all_gather_single(*group_, buckets_[b].params_flat, inputs.back(),
-                                              c10d::AllgatherOptions()));
+    if (inflight.size() >= kGathersInFlight) {
+      inflight.front().first->wait();
+      inflight.pop_front();  // frees the oldest input
+    }
+    auto input = gather_source(b);
+    auto work = compat::all_gather_single(*group_, buckets_[b].params_flat, input,
+                                          c10d::AllgatherOptions());
+    inflight.emplace_back(std::move(work), std::move(input));
     bytes += static_cast<int64_t>(buckets_[b].params_flat.nbytes());
     count_gather(buckets_[b].params_flat);
   }
-  for (auto& w : works) w->wait();
+  for (auto& [work, input] : inflight) work->wait();
   bytes_gathered_last_ = bytes;
 }
 

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
 #include <deque>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -157,9 +158,19 @@ bool ShardedCore::on_grad_ready(size_t index) {
   auto& bucket = buckets_[b];
   // [Note: gradient reduction]: 1/N fused into the fp32 accumulation into the bucket.
   const double inv = 1.0 / static_cast<double>(layout_.world_size());
-  grads_of(bucket, b)
-      .narrow(0, layout_.offset_of(index), g.numel())
-      .add_(g.reshape({-1}), inv);
+  auto slot = grads_of(bucket, b).narrow(0, layout_.offset_of(index), g.numel());
+  const auto flat = g.reshape({-1});
+  if (flat.scalar_type() == slot.scalar_type()) {
+    slot.add_(flat, inv);
+  } else {
+    // A low-precision gradient is promoted to fp32 inside add_ (a temporary as large as the
+    // parameter in fp32, on CPU); chunks bound it (the same element-wise sums).
+    constexpr int64_t kChunk = 1 << 18;
+    for (int64_t at = 0; at < flat.numel(); at += kChunk) {
+      const auto n = std::min(kChunk, flat.numel() - at);
+      slot.narrow(0, at, n).add_(flat.narrow(0, at, n), inv);
+    }
+  }
   g = at::Tensor();  // the full gradient is not kept: the bucket (then the shard) holds it
   bucket.dirty = true;
   if (options_.reshard_after_backward && ++grads_seen_ == params_.size()) reshard_locked();

@@ -219,8 +219,13 @@ void ShardedCore::launch_locked(size_t b) {
   const auto& info = layout_.buckets()[b];
   auto& fp32_grads = grads_of(bucket, b);
   // [Note: low-precision reduction] in core.h.
-  if (options_.reduce_dtype != at::kFloat) bucket.sent = fp32_grads.to(options_.reduce_dtype);
-  at::Tensor& grads = options_.reduce_dtype != at::kFloat ? bucket.sent : fp32_grads;
+  if (options_.reduce_dtype != at::kFloat) {
+    bucket.sent = fp32_grads.to(options_.reduce_dtype);
+    // The rounded copy is all the reduction needs: the fp32 bucket goes now, not at the
+    // completion (its bytes would otherwise sit beside the copy while it is in flight).
+    if (options_.free_grad_buckets) release_grads(bucket);
+  }
+  at::Tensor& grads = options_.reduce_dtype != at::kFloat ? bucket.sent : bucket.grads;
   if (options_.collective == Collective::kReduceScatter) {
     bucket.reduced = at::empty({info.shard}, grads.options());
     c10d::ReduceScatterOptions opts;

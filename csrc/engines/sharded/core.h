@@ -181,7 +181,7 @@ struct CoreOptions {
   // that dtype, the collective SUMs in it (half the bytes on the wire), and the owned
   // result is added into the fp32 gradient shard, so accumulation stays fp32 and only
   // the cross-rank sum is rounded (as FSDP2's reduce_dtype and DeepSpeed's
-  // communication_data_type).
+  // communication_data_type). The fp32 bucket is freed once rounded, at the launch.
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
   // Shared by every core built from this CoreOptions (copies share it); a core given
   // none makes its own.

@@ -227,3 +227,86 @@ def test_out_of_order_and_unused_gradients_with_one_bucket_in_flight(measured, b
     # (Run by the `measured` fixture, in the same process group.)
     for r in measured:
         assert r["out_of_order"][backend] == 0.0, r["out_of_order"]
+
+
+# ----------------------------------------------------------------------------------------
+# Issue 28: a ZeRO-1/2 step holds nothing beyond its model states, the ZeRO paper's ideal,
+# measured with the same OS probe (VmHWM over the resident set between steps).
+#
+# Between steps a rank holds 2P (bf16 parameters) + 12P/N (fp32 masters, Adam's moments).
+# What a step may add on top:
+#   zero1: the full fp32 gradient, 4P (its ideal 2P + 4P + 12P/N); the gradient shard is
+#          filled as the buckets are folded into it and freed ([Note: gradient shard pages]
+#          in csrc/engines/sharded/core.h), so the two never both exist whole.
+#   zero2: the fp32 gradient shard 4P/N + the buckets in flight and the one being filled
+#          (3 buckets) + what the step's gathers round from the masters, two buckets at a
+#          time ([Note: bounded gathers]).
+# Before these changes zero1 held 4P + 4P/N + 2P/N (buckets, shard, and every bucket's
+# bf16 gather source at once) and zero2 4P/N + 2P/N in its step: the bounds below fail
+# there (measured: zero1 228 MiB, bound 144; zero2 100 MiB, bound 83) and hold with 16 MiB
+# of slack for the rest (the bf16 .grad of one weight, Gloo's staging buffers, allocator
+# rounding; measured after: zero1 131 MiB, zero2 74-75 MiB).
+PEAK_WIDTH, PEAK_LAYERS, PEAK_BUCKET_MB = 1024, 32, 1
+PEAK_P = PEAK_LAYERS * (PEAK_WIDTH * PEAK_WIDTH + PEAK_WIDTH)  # 33.6M parameters
+PEAK_SLACK = 16 * MIB
+
+
+def _zero_peaks(state, backends) -> dict:
+    _malloc_returns_freed_memory()
+    out = {"probe": _probe()}
+    for backend in backends:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(PEAK_WIDTH, PEAK_WIDTH) for _ in range(PEAK_LAYERS)])
+        acc = Accelerator(mixed_precision="bf16", backend=backend, param_dtype=torch.bfloat16,
+                          engine_options={"bucket_cap_mb": PEAK_BUCKET_MB}, log_policy=False)
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        x = torch.randn(BATCH, PEAK_WIDTH)
+
+        def step():
+            acc.backward(model(x).float().square().mean())
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(2):
+            step()
+        transients = []
+        for _ in range(3):
+            between = _status_bytes("VmRSS")
+            _reset_peak()
+            step()
+            transients.append(_status_bytes("VmHWM") - between)
+        out[backend] = {"transient": min(transients), "transients": transients,
+                        "bucket_bytes": max(c.grad_bucket_bytes() for c in acc.engine.comm.all_cores())}
+        acc.engine.release()
+        del model, opt, acc
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_peaks():
+    from harness import run_distributed as run_warm  # the suite's warm ranks
+
+    return run_warm(_zero_peaks, 2, args=(("zero1", "zero2"),), timeout=300)
+
+
+def test_zero1_step_holds_the_full_fp32_gradient_and_nothing_more(zero_peaks):
+    bound = 4 * PEAK_P + PEAK_SLACK  # the ideal's transient part: the full fp32 gradient
+    for rank, r in enumerate(zero_peaks):
+        assert r["probe"]["seen"] >= FULL_GRAD * 0.95, (rank, r["probe"])
+        m = r["zero1"]
+        assert m["transient"] < bound, (
+            f"rank {rank} zero1: transient {m['transient'] / MIB:.1f} MiB (steps "
+            f"{[round(t / MIB, 1) for t in m['transients']]}), bound {bound / MIB:.1f} MiB = 4P + "
+            f"{PEAK_SLACK / MIB:.0f} MiB")
+        assert m["bucket_bytes"] == 0, m  # every bucket was freed by the step's reduction
+
+
+def test_zero2_step_holds_the_shard_and_three_buckets(zero_peaks):
+    shard = 4 * PEAK_P // 2
+    bound = shard + 3 * PEAK_BUCKET_MB * MIB + PEAK_SLACK
+    for rank, r in enumerate(zero_peaks):
+        m = r["zero2"]
+        assert m["transient"] < bound, (
+            f"rank {rank} zero2: transient {m['transient'] / MIB:.1f} MiB (steps "
+            f"{[round(t / MIB, 1) for t in m['transients']]}), bound {bound / MIB:.1f} MiB = "
+            f"shard {shard / MIB:.0f} + 3 buckets + {PEAK_SLACK / MIB:.0f} MiB")

@@ -7,6 +7,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+#include <deque>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -155,9 +158,19 @@ bool ShardedCore::on_grad_ready(size_t index) {
   auto& bucket = buckets_[b];
   // [Note: gradient reduction]: 1/N fused into the fp32 accumulation into the bucket.
   const double inv = 1.0 / static_cast<double>(layout_.world_size());
-  grads_of(bucket, b)
-      .narrow(0, layout_.offset_of(index), g.numel())
-      .add_(g.reshape({-1}), inv);
+  auto slot = grads_of(bucket, b).narrow(0, layout_.offset_of(index), g.numel());
+  const auto flat = g.reshape({-1});
+  if (flat.scalar_type() == slot.scalar_type()) {
+    slot.add_(flat, inv);
+  } else {
+    // A low-precision gradient is promoted to fp32 inside add_ (a temporary as large as the
+    // parameter in fp32, on CPU); chunks bound it (the same element-wise sums).
+    constexpr int64_t kChunk = 1 << 18;
+    for (int64_t at = 0; at < flat.numel(); at += kChunk) {
+      const auto n = std::min(kChunk, flat.numel() - at);
+      slot.narrow(0, at, n).add_(flat.narrow(0, at, n), inv);
+    }
+  }
   g = at::Tensor();  // the full gradient is not kept: the bucket (then the shard) holds it
   bucket.dirty = true;
   if (options_.reshard_after_backward && ++grads_seen_ == params_.size()) reshard_locked();
@@ -206,8 +219,13 @@ void ShardedCore::launch_locked(size_t b) {
   const auto& info = layout_.buckets()[b];
   auto& fp32_grads = grads_of(bucket, b);
   // [Note: low-precision reduction] in core.h.
-  if (options_.reduce_dtype != at::kFloat) bucket.sent = fp32_grads.to(options_.reduce_dtype);
-  at::Tensor& grads = options_.reduce_dtype != at::kFloat ? bucket.sent : fp32_grads;
+  if (options_.reduce_dtype != at::kFloat) {
+    bucket.sent = fp32_grads.to(options_.reduce_dtype);
+    // The rounded copy is all the reduction needs: the fp32 bucket goes now, not at the
+    // completion (its bytes would otherwise sit beside the copy while it is in flight).
+    if (options_.free_grad_buckets) release_grads(bucket);
+  }
+  at::Tensor& grads = options_.reduce_dtype != at::kFloat ? bucket.sent : bucket.grads;
   if (options_.collective == Collective::kReduceScatter) {
     bucket.reduced = at::empty({info.shard}, grads.options());
     c10d::ReduceScatterOptions opts;
@@ -264,8 +282,7 @@ void ShardedCore::complete_locked(size_t b) {
   auto owned = options_.collective == Collective::kReduceScatter
                    ? bucket.reduced
                    : reduced_full.narrow(0, layout_.rank() * info.shard, info.shard);
-  ensure_grad_shard_locked();
-  grad_.narrow(0, info.shard_offset, info.shard).add_(owned);  // into fp32 (promotes)
+  grad_slice_locked(b).add_(owned);  // into fp32 (promotes)
   bucket.reduced = at::Tensor();
   bucket.sent = at::Tensor();
   if (options_.free_grad_buckets) {
@@ -322,13 +339,41 @@ void ShardedCore::reduce_locked() {
 }
 
 void ShardedCore::ensure_grad_shard_locked() {
-  // [Note: what lives between steps]: a released shard is allocated again, zeroed.
-  if (!grad_.defined()) grad_ = at::zeros({layout_.shard_numel()}, master_.options());
+  // [Note: what lives between steps]: a released shard is allocated again; each bucket's
+  // slice is zeroed when first used ([Note: gradient shard pages]).
+  if (!grad_.defined()) {
+    grad_ = at::empty({layout_.shard_numel()}, master_.options());
+    slice_zeroed_.assign(buckets_.size(), false);
+  }
+}
+
+at::Tensor ShardedCore::grad_slice_locked(size_t b) {
+  // [Note: gradient shard pages]
+  ensure_grad_shard_locked();
+  const auto& info = layout_.buckets()[b];
+  auto slice = grad_.narrow(0, info.shard_offset, info.shard);
+  if (!slice_zeroed_[b]) {
+    slice.zero_();
+    slice_zeroed_[b] = true;
+  }
+  return slice;
+}
+
+void ShardedCore::materialize_grad_shard_locked() {
+  ensure_grad_shard_locked();
+  for (size_t b = 0; b < buckets_.size(); ++b) grad_slice_locked(b);
 }
 
 void ShardedCore::ensure_grad_shard() {
   std::lock_guard<std::mutex> lock(mutex_);
-  ensure_grad_shard_locked();
+  materialize_grad_shard_locked();
+}
+
+at::Tensor ShardedCore::grad_shard() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Every slice a reader can see holds its value: zeros where no reduction landed yet.
+  if (grad_.defined()) materialize_grad_shard_locked();
+  return grad_;
 }
 
 int64_t ShardedCore::grad_shard_bytes() const {
@@ -341,6 +386,7 @@ void ShardedCore::zero_grad(bool release) {
     grad_ = at::Tensor();  // freed unless the user still holds a .grad view of it
   } else if (grad_.defined()) {
     grad_.zero_();
+    slice_zeroed_.assign(buckets_.size(), true);
   }
   for (auto& bucket : buckets_) {
     if (bucket.grads.defined()) {
@@ -365,17 +411,24 @@ at::Tensor ShardedCore::gather_source(size_t b) const {
 
 void ShardedCore::gather_params() {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<at::Tensor> inputs;  // alive until every gather is done
+  // [Note: bounded gathers]: at most kGathersInFlight buckets' rounded sources (and the
+  // collectives' own buffers) exist at once, not one per bucket.
+  constexpr size_t kGathersInFlight = 2;
+  std::deque<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> inflight;  // work, its input
   int64_t bytes = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    inputs.push_back(gather_source(b));
-    works.push_back(compat::all_gather_single(*group_, buckets_[b].params_flat, inputs.back(),
-                                              c10d::AllgatherOptions()));
+    if (inflight.size() >= kGathersInFlight) {
+      inflight.front().first->wait();
+      inflight.pop_front();  // frees the oldest input
+    }
+    auto input = gather_source(b);
+    auto work = compat::all_gather_single(*group_, buckets_[b].params_flat, input,
+                                          c10d::AllgatherOptions());
+    inflight.emplace_back(std::move(work), std::move(input));
     bytes += static_cast<int64_t>(buckets_[b].params_flat.nbytes());
     count_gather(buckets_[b].params_flat);
   }
-  for (auto& w : works) w->wait();
+  for (auto& [work, input] : inflight) work->wait();
   bytes_gathered_last_ = bytes;
 }
 

@@ -13,12 +13,33 @@
 //   temporary at the gather (as torch's fully_shard does). The rounding is the one the
 //   fused update would have written, so the gathered values are the same bits.
 // * The gradient shard is dropped by zero_grad(release=true) (the optimizer's
-//   zero_grad(set_to_none=True), torch's default), with ZeRO-1's full-size fp32 buckets,
-//   and allocated again, zeroed, by the first reduction that lands in it (grad_shard() is
-//   undefined, None in Python, until then). The masters' .grad are views of it that the
+//   zero_grad(set_to_none=True), torch's default), and allocated again by the first
+//   reduction that lands in it (grad_shard() is undefined, None in Python, until then);
+//   each bucket's slice is zeroed when its first reduction lands ([Note: gradient shard
+//   pages]). A bucket is freed once its reduction is folded into the shard, on every
+//   stage (zero1 included). The masters' .grad are views of it that the
 //   engine makes when it shows the gradients (after the reductions) and that the
 //   optimizer's zero_grad drops, so the memory goes when they do; a .grad the user still
 //   holds keeps its old values, as in torch.
+//
+// [Note: gradient shard pages]
+// The fp32 gradient shard (4P/N) is allocated uninitialised (at::empty) and each bucket's
+// slice is zeroed right before the bucket's first reduction is added into it; readers
+// (grad_shard(), ensure_grad_shard()) zero the slices no reduction reached yet. The values
+// are those of a shard allocated zeroed (0 + x, the same add), but the memory is touched
+// bucket by bucket: on CPU the kernel gives a page to the process when it is first
+// written, so the shard's resident size grows as the buckets are folded into it, while the
+// folded full-size buckets are freed (freed memory of >= MALLOC_MMAP_THRESHOLD_ goes back
+// to the OS). This is what keeps ZeRO-1's step at 4P + one bucket's slice instead of
+// 4P + 4P/N: its reduce() folds the buckets one by one into the shard and frees each. A
+// device caching allocator reserves the whole shard at once (no page-level saving there).
+//
+// [Note: bounded gathers]
+// gather_params() (zero1/2, after each step) rounds a bucket's owned masters into a
+// storage-dtype temporary and all-gathers it into the flat parameters, with at most two
+// buckets' gathers in flight: the temporaries (and a collective's own buffers; Gloo's
+// all-gather stages the full output in a temporary) exist for two buckets, not for all of
+// them (2P/N with bf16 storage).
 //
 // [Note: gradient reduction]
 // A hook adds grad * (1/N) into the parameter's slot of its fp32 bucket (the 1/N
@@ -88,7 +109,8 @@
 // launches in the end-of-backward callback), every bucket is allocated before any can
 // launch, as without the window. Not bounded either: buckets accumulated under no_sync
 // (accumulation needs the full fp32 sum; they launch in the next syncing backward, or
-// all together in reduce()), ZeRO-1 (reduces at the step), free_grad_buckets=false.
+// all together in reduce()), ZeRO-1 (reduces at the step; reduce() frees each bucket as it
+// folds it), free_grad_buckets=false.
 // reduce() launches every bucket then completes them in order: the buckets were already
 // all allocated by accumulation, so a window would not lower its peak.
 // grad_bucket_peak_bytes() is the window's high-water mark of allocated bucket bytes
@@ -159,7 +181,7 @@ struct CoreOptions {
   // that dtype, the collective SUMs in it (half the bytes on the wire), and the owned
   // result is added into the fp32 gradient shard, so accumulation stays fp32 and only
   // the cross-rank sum is rounded (as FSDP2's reduce_dtype and DeepSpeed's
-  // communication_data_type).
+  // communication_data_type). The fp32 bucket is freed once rounded, at the launch.
   c10::ScalarType reduce_dtype = c10::ScalarType::Float;
   // Shared by every core built from this CoreOptions (copies share it); a core given
   // none makes its own.
@@ -224,7 +246,9 @@ class ShardedCore {
   // The model's parameters this core shards, in model order (as given).
   const std::vector<at::Tensor>& params() const { return params_; }
   const at::Tensor& master_shard() const { return master_; }
-  const at::Tensor& grad_shard() const { return grad_; }
+  // The gradient shard (undefined while released), every slice holding its value
+  // ([Note: gradient shard pages]).
+  at::Tensor grad_shard();
   const Layout& layout() const { return layout_; }
   // (param index, bucket, shard offset, param offset, numel) for what this rank owns.
   std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> owned_ranges() const;
@@ -286,6 +310,8 @@ class ShardedCore {
   void reshard_locked();
   at::Tensor gather_source(size_t b) const;
   void ensure_grad_shard_locked();
+  at::Tensor grad_slice_locked(size_t b);  // bucket b's slice of grad_, zeroed on first use
+  void materialize_grad_shard_locked();
   bool launch_all_locked();
 
   Layout layout_;
@@ -294,6 +320,7 @@ class ShardedCore {
   std::vector<bool> ready_;
   at::Tensor master_;
   at::Tensor grad_;
+  std::vector<bool> slice_zeroed_;  // per bucket: its slice of grad_ holds a value
   std::vector<std::pair<compat::NodePtr, uintptr_t>> hooks_;  // compat/torch_compat.h
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   CoreOptions options_;

@@ -17,7 +17,10 @@ CoreOptions zero_options(int64_t stage, int64_t bucket_cap_bytes, int64_t first_
   o.bucket_cap_bytes = bucket_cap_bytes;
   o.first_bucket_cap_bytes = first_bucket_cap_bytes;
   o.reduce_in_backward = stage >= 2;
-  o.free_grad_buckets = stage >= 2;
+  // Every stage frees a bucket once its reduction is folded into the gradient shard: zero1
+  // included, so its full fp32 gradient and the shard never both exist whole ([Note:
+  // gradient shard pages] in core.h).
+  o.free_grad_buckets = true;
   o.shard_params = stage >= 3;
   o.reshard_after_backward = stage >= 3;
   o.max_inflight_buckets = max_inflight_buckets;

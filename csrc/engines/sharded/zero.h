@@ -1,7 +1,8 @@
 // ZeRO stages as policies over the sharding core (core.h).
 //
 //   stage 1: optimizer state + fp32 masters sharded; full fp32 gradients stay on every
-//            rank until the step, then one ordered reduce-scatter of all buckets.
+//            rank until the step, then one ordered reduce-scatter of all buckets, each
+//            bucket freed as its owned slice is folded into the gradient shard.
 //   stage 2: + gradients sharded: each bucket is reduce-scattered as soon as it is full
 //            during backward and completed (folded into the shard, the full-size bucket
 //            released) while backward goes on, at most max_inflight_buckets in flight.

@@ -97,21 +97,13 @@ def _replayed_modes() -> list[Any]:
     return [m.recompute_mode() for m in _get_current_function_mode_stack() if hasattr(m, "recompute_mode")]
 
 
-class _Entered:
+@contextlib.contextmanager
+def _entered(*contexts: Any):
     """Enters several context managers (innermost last) as one."""
-
-    def __init__(self, *contexts: Any) -> None:
-        self.contexts = contexts
-        self.stack: Optional[contextlib.ExitStack] = None
-
-    def __enter__(self):
-        self.stack = contextlib.ExitStack()
-        for c in self.contexts:
-            self.stack.enter_context(c)
-        return self
-
-    def __exit__(self, *exc):
-        return self.stack.__exit__(*exc)
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 # [Note: selective checkpointing]
@@ -164,8 +156,8 @@ def _contexts(selective: bool):
         replayed = _replayed_modes()
         if selective:
             forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(_policy)
-            return forward_ctx, _Entered(*replayed, recompute_ctx)
-        return contextlib.nullcontext(), _Entered(*replayed)
+            return forward_ctx, _entered(*replayed, recompute_ctx)
+        return contextlib.nullcontext(), _entered(*replayed)
 
     return context_fn
 

@@ -40,10 +40,21 @@ Contenders and dtypes (bf16 compute, fp32 master weights and fp32 Adam moments f
 
 zero3 / fsdp / fully_shard units: every ``TransformerEncoderLayer`` plus the root.
 
+[Note: oneDNN's primitive cache]: torch runs CPU bf16 matmuls through oneDNN, which keeps the
+primitives it built (with their reordered weights and scratchpads) in a process-wide cache,
+one per distinct shape, kept after the step. Measured in plain PyTorch (a bf16 TinyLM
+dim 512 x 4 layers, one forward and backward, no framework; ``mallinfo2`` mapped bytes after
+every tensor is freed): 9.9 MiB stay mapped with the default cache, 0.7 MiB with
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0``. That memory is the runtime's, the same for every
+contender, and it is not a model state, so the ZeRO ideal does not count it; ``--onednn-cache
+off`` measures the peaks without it (the default keeps it: it is what a user's process holds).
+
     python benchmarks/bench_memory.py                  # N=2 and N=4 (14 min on 2 cores shared at load 11-14)
     python benchmarks/bench_memory.py --world-size 2 --quick
     # issue 28: like-for-like reduce dtypes ([Note: like-for-like reduce dtypes]), peak growth / ideal
     python benchmarks/bench_memory.py --like-for-like --model mlp --dim 2048 --layers 16 --world-size 2
+    # the same, TinyLM, oneDNN's primitive cache off (see the Note below)
+    python benchmarks/bench_memory.py --only zero1 deepspeed_zero1_rfp32 --onednn-cache off --world-size 2 4
 """
 
 from __future__ import annotations
@@ -307,33 +318,43 @@ def _one(name: str, world: int, cfg: dict, timeout: float) -> dict:
 
 
 @contextlib.contextmanager
-def mmap_threshold_env():
-    """``MALLOC_MMAP_THRESHOLD_`` set for the ranks spawned inside (they inherit it), put back after."""
-    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+def mmap_threshold_env(onednn_cache: bool = True):
+    """``MALLOC_MMAP_THRESHOLD_`` set for the ranks spawned inside (they inherit it), put back
+    after; with ``onednn_cache=False`` also ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`` ([Note: oneDNN's
+    primitive cache])."""
+    values = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+    if not onednn_cache:
+        values["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "0"
+    previous = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
+        for k, v in previous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def measure(worlds=(2, 4), *, dim: int = 512, layers: int = 4, batch: int = 4, steps: int = 2,
-            contenders: list[str] = CONTENDERS, timeout: float = 900, model: str = "tinylm") -> dict:
+            contenders: list[str] = CONTENDERS, timeout: float = 900, model: str = "tinylm",
+            onednn_cache: bool = True) -> dict:
     """Memory of every contender at every world size; ``{"worlds": {N: {name: result}}, ...}``.
     A DeepSpeed contender that cannot run here (not installed, init error) is listed under
     ``skipped`` with the reason; any other failure raises. ``model``: "tinylm" (the benchmark
-    transformer) or "mlp" (issue 28's ``layers`` x Linear(``dim``), batch x dim inputs)."""
+    transformer) or "mlp" (issue 28's ``layers`` x Linear(``dim``), batch x dim inputs).
+    ``onednn_cache=False``: the ranks run with oneDNN's primitive cache off ([Note: oneDNN's
+    primitive cache])."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if model not in UNITS_BY_MODEL:
         raise ValueError(f"model={model!r} is not one of {sorted(UNITS_BY_MODEL)}")
     cfg = dict(dim=dim, layers=layers, batch=batch, steps=steps, model=model)
     P = n_params(mlp(dim, layers) if model == "mlp" else tinylm(dim, layers))
     out = {"dim": dim, "layers": layers, "batch": batch, "steps": steps, "warmup": WARMUP, "model": model,
-           "mmap_threshold": int(MMAP_THRESHOLD), "params": P, "worlds": {}, "skipped": {}}
-    with mmap_threshold_env():  # inherited by the spawned ranks
+           "mmap_threshold": int(MMAP_THRESHOLD), "onednn_cache": onednn_cache, "params": P, "worlds": {},
+           "skipped": {}}
+    with mmap_threshold_env(onednn_cache):  # inherited by the spawned ranks
         for world in worlds:
             rows = out["worlds"][str(world)] = {}
             for name in contenders:
@@ -391,7 +412,8 @@ def report(res: dict) -> None:
     P = res["params"]
     what = (f"MLP {res['layers']} x Linear({res['dim']}), batch {res['batch']}x{res['dim']}"
             if res.get("model") == "mlp" else f"TinyLM, batch {res['batch']}x64")
-    print(f"Memory per rank (OS: VmRSS/VmHWM, MALLOC_MMAP_THRESHOLD_={res['mmap_threshold']}), {what}, "
+    cache = "" if res.get("onednn_cache", True) else ", ONEDNN_PRIMITIVE_CACHE_CAPACITY=0"
+    print(f"Memory per rank (OS: VmRSS/VmHWM, MALLOC_MMAP_THRESHOLD_={res['mmap_threshold']}{cache}), {what}, "
           f"{P / 1e6:.2f}M params (fp32 {_mib(4 * P)} MiB), {res['warmup']} warm-up + "
           f"{res['steps']} measured steps; MiB, max over ranks")
     for world, cont in res["worlds"].items():
@@ -425,13 +447,16 @@ def main() -> None:
                     help="the like-for-like contenders of issue 28 (both reduce dtypes) instead of CONTENDERS")
     ap.add_argument("--model", choices=sorted(UNITS_BY_MODEL), default="tinylm",
                     help="mlp: issue 28's layers x Linear(dim) (use --dim 2048 --layers 16 for its 67M MLP)")
+    ap.add_argument("--onednn-cache", choices=["on", "off"], default="on",
+                    help="off: ranks run with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0, so the peak holds no cached "
+                         "oneDNN primitives ([Note: oneDNN's primitive cache])")
     ap.add_argument("--quick", action="store_true", help="tiny model (smoke run)")
     args = ap.parse_args()
     if args.quick:
         args.dim, args.layers, args.steps = 64, 1, 1
     only = args.only or (LIKE_CONTENDERS if args.like_for_like else CONTENDERS)
     report(measure(tuple(args.world_size), dim=args.dim, layers=args.layers, batch=args.batch, steps=args.steps,
-                   contenders=only, model=args.model))
+                   contenders=only, model=args.model, onednn_cache=args.onednn_cache == "on"))
 
 
 if __name__ == "__main__":

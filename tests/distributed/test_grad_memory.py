@@ -310,3 +310,71 @@ def test_zero2_step_holds_the_shard_and_three_buckets(zero_peaks):
             f"rank {rank} zero2: transient {m['transient'] / MIB:.1f} MiB (steps "
             f"{[round(t / MIB, 1) for t in m['transients']]}), bound {bound / MIB:.1f} MiB = "
             f"shard {shard / MIB:.0f} + 3 buckets + {PEAK_SLACK / MIB:.0f} MiB")
+
+
+# ----------------------------------------------------------------------------------------
+# zero1's step folds each full bucket into the gradient shard. With one 32 MiB bucket at N=2
+# the shard slice is 16 MiB: written beside the whole bucket, the fold held 4P + 4P/N. The
+# bucket's pages outside its owned half are now returned first ([Note: a folded bucket gives
+# its pages back first] in csrc/engines/sharded/core.cpp), so the fold holds nothing beyond
+# the buckets that exist when it starts (measured: 15.9-16.0 MiB before, 1.7-2.0 after, the
+# all-reduces' own buffers; bound 4 MiB). The step's gathers run one bucket at a time on CPU
+# ([Note: bounded gathers]): two buckets, 8 MiB each in bf16, whose Gloo all-gathers stage
+# their whole output while the gradient shard is still alive; the step adds one staged bucket
+# + its 4 MiB source (measured: 19.9-20.0 MiB with two in flight, 12.0 with one; bound 15).
+FOLD_WIDTH, FOLD_LAYERS = 1024, 8
+FOLD_P = FOLD_LAYERS * (FOLD_WIDTH * FOLD_WIDTH + FOLD_WIDTH)  # 8.4M parameters, 32 MiB fp32
+FOLD_SLACK = 4 * MIB
+
+
+def _zero1_fold_and_gathers(state, bucket_mb) -> dict:
+    _malloc_returns_freed_memory()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(FOLD_WIDTH, FOLD_WIDTH) for _ in range(FOLD_LAYERS)])
+    acc = Accelerator(mixed_precision="bf16", backend="zero1", param_dtype=torch.bfloat16,
+                      engine_options={"bucket_cap_mb": bucket_mb, "first_bucket_cap_mb": bucket_mb},
+                      log_policy=False)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    cores = acc.engine.comm.all_cores()
+    x = torch.randn(BATCH, FOLD_WIDTH)
+    out = {"fold": [], "gather": [], "buckets": sum(len(c.bucket_indices()) for c in cores)}
+    for i in range(3):
+        acc.backward(model(x).float().square().mean())
+        before = _status_bytes("VmRSS")
+        _reset_peak()
+        for c in cores:
+            c.reduce()  # the fold alone: opt.step() finds nothing left to reduce
+        out["fold"].append(_status_bytes("VmHWM") - before)
+        before = _status_bytes("VmRSS")
+        _reset_peak()
+        opt.step()  # the update in place, then the gathers
+        out["gather"].append(_status_bytes("VmHWM") - before)
+        opt.zero_grad()
+    acc.engine.release()
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero1_fold():
+    from harness import run_distributed as run_warm  # the suite's warm ranks
+
+    return {mb: run_warm(_zero1_fold_and_gathers, 2, args=(mb,), timeout=300) for mb in (64, 16)}
+
+
+def test_zero1_fold_holds_no_more_than_its_buckets(zero1_fold):
+    for rank, r in enumerate(zero1_fold[64]):
+        assert r["buckets"] == 1, r
+        assert min(r["fold"]) < FOLD_SLACK, (
+            f"rank {rank}: folding one {4 * FOLD_P / MIB:.0f} MiB bucket added "
+            f"{[round(t / MIB, 1) for t in r['fold']]} MiB over the buckets (bound {FOLD_SLACK / MIB:.0f}; "
+            f"its shard slice is {2 * FOLD_P / MIB:.0f})")
+
+
+def test_zero1_gathers_one_bucket_at_a_time_on_cpu(zero1_fold):
+    bf16_bucket = 2 * FOLD_P // 2  # one of the two buckets, in bf16
+    bound = bf16_bucket + bf16_bucket // 2 + 3 * MIB  # one staged output + its source + slack
+    for rank, r in enumerate(zero1_fold[16]):
+        assert r["buckets"] == 2, r
+        assert min(r["gather"]) < bound, (
+            f"rank {rank}: the step's gathers added {[round(t / MIB, 1) for t in r['gather']]} MiB "
+            f"(bound {bound / MIB:.1f}: one staged {bf16_bucket / MIB:.0f} MiB bucket + its source)")

@@ -9,13 +9,50 @@
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <deque>
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace mixprec::engines::sharded {
 
 namespace {
+
+// [Note: a folded bucket gives its pages back first]
+// Folding a reduced bucket copies its owned 1/N into the gradient shard, whose pages are
+// new (zeroed when first used, [Note: gradient shard pages]); the bucket is freed after.
+// For a moment the process would hold the whole bucket plus its slice. On ZeRO-1 every
+// bucket is full when the step folds them (4P), so that moment is the step's peak: 4P +
+// the first bucket / N (12.5 MiB of a 25 MiB bucket at N=2). Once the collective is done
+// only the owned range of an all-reduced bucket is read again, so on Linux the pages of a
+// CPU bucket outside that range are returned to the OS (MADV_DONTNEED) before the slice is
+// written: the fold never holds more than the buckets did. Only a tensor that is the sole
+// user of its storage is touched (no view can see the zeros that the released pages read
+// as), only whole pages strictly inside its bytes, and the allocation is still freed as
+// usual afterwards. Values are not changed: the owned range is read as before.
+void release_pages_outside(const at::Tensor& t, int64_t keep_begin, int64_t keep_end) {
+#if defined(__linux__)
+  if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.storage().use_count() != 1) return;
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const auto elem = static_cast<uintptr_t>(t.element_size());
+  auto release = [](uintptr_t from, uintptr_t to) {
+    const uintptr_t a = (from + page - 1) / page * page;
+    const uintptr_t b = to / page * page;
+    if (b > a) (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);  // advisory
+  };
+  release(base, base + static_cast<uintptr_t>(keep_begin) * elem);
+  release(base + static_cast<uintptr_t>(keep_end) * elem, base + static_cast<uintptr_t>(t.numel()) * elem);
+#else
+  (void)t;
+  (void)keep_begin;
+  (void)keep_end;
+#endif
+}
 
 std::vector<LayoutParam> describe(const std::vector<at::Tensor>& params,
                                   const std::vector<std::string>& names,
@@ -278,10 +315,19 @@ void ShardedCore::complete_locked(size_t b) {
   bucket.work->wait();
   bucket.work.reset();
   bucket.launch_id = 0;
-  const at::Tensor& reduced_full = bucket.sent.defined() ? bucket.sent : bucket.grads;
-  auto owned = options_.collective == Collective::kReduceScatter
-                   ? bucket.reduced
-                   : reduced_full.narrow(0, layout_.rank() * info.shard, info.shard);
+  at::Tensor owned;
+  if (options_.collective == Collective::kReduceScatter) {
+    owned = bucket.reduced;
+    // The collective's input is not read again: it goes before the shard slice is touched.
+    bucket.sent = at::Tensor();
+    if (options_.free_grad_buckets) release_grads(bucket);
+  } else {
+    const at::Tensor& reduced_full = bucket.sent.defined() ? bucket.sent : bucket.grads;
+    const int64_t begin = layout_.rank() * info.shard;
+    // [Note: a folded bucket gives its pages back first] (before the view below exists)
+    if (options_.free_grad_buckets) release_pages_outside(reduced_full, begin, begin + info.shard);
+    owned = reduced_full.narrow(0, begin, info.shard);
+  }
   grad_slice_locked(b).add_(owned);  // into fp32 (promotes)
   bucket.reduced = at::Tensor();
   bucket.sent = at::Tensor();
@@ -411,13 +457,13 @@ at::Tensor ShardedCore::gather_source(size_t b) const {
 
 void ShardedCore::gather_params() {
   std::lock_guard<std::mutex> lock(mutex_);
-  // [Note: bounded gathers]: at most kGathersInFlight buckets' rounded sources (and the
+  // [Note: bounded gathers]: at most `in_flight` buckets' rounded sources (and the
   // collectives' own buffers) exist at once, not one per bucket.
-  constexpr size_t kGathersInFlight = 2;
+  const size_t in_flight = master_.device().is_cpu() ? 1 : 2;
   std::deque<std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor>> inflight;  // work, its input
   int64_t bytes = 0;
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    if (inflight.size() >= kGathersInFlight) {
+    if (inflight.size() >= in_flight) {
       inflight.front().first->wait();
       inflight.pop_front();  // frees the oldest input
     }

@@ -134,7 +134,9 @@ def _settle() -> int:
 # ----------------------------------------------------------------------------- contenders
 
 
-def _mixprec(name: str, model: nn.Module, loss_fn=lm_loss):
+def mixprec_prepare(name: str, model: nn.Module, loss_fn=lm_loss):
+    """The mixprec contender ``name`` (bf16 parameters, fp32 masters, AdamW, 25 MiB buckets):
+    its Accelerator, prepared model and optimizer."""
     from mixprec import Accelerator, PrecisionPolicy
 
     if name == "mixprec_ddp":
@@ -149,6 +151,11 @@ def _mixprec(name: str, model: nn.Module, loss_fn=lm_loss):
         policy = PrecisionPolicy.from_mixed_precision("bf16", param_dtype=torch.bfloat16, **reduce)
         acc = Accelerator(policy=policy, backend=backend, cpu=True, log_policy=False, engine_options=opts)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return acc, model, opt
+
+
+def _mixprec(name: str, model: nn.Module, loss_fn=lm_loss):
+    acc, model, opt = mixprec_prepare(name, model, loss_fn)
 
     def step(x, tgt):
         loss = loss_fn(model(x), tgt)

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _memprobe import peak_bytes, reset_peak, rss_bytes  # noqa: E402
-from bench_memory import (BUCKET, UNITS_BY_MODEL, WARMUP, _build, _import_framework, _model_and_data,  # noqa: E402
-                          ideal_bytes, mmap_threshold_env)
+from bench_memory import (WARMUP, _build, _import_framework, _model_and_data, ideal_bytes, mixprec_prepare,  # noqa: E402
+                          mmap_threshold_env)
 from _common import n_params  # noqa: E402
 
 from mixprec.distributed.spawn import run_distributed  # noqa: E402
@@ -80,22 +80,6 @@ def _allocator_curve(prof) -> dict:
     return {"peak": peak, "end": live, "phases": out}
 
 
-def _prepare(name: str, model: torch.nn.Module, cfg: dict):
-    """mixprec as bench_memory.py builds it (bf16 parameters, fp32 masters, AdamW, 25 MiB
-    buckets), returning the Accelerator, the prepared model and optimizer."""
-    from mixprec import Accelerator, PrecisionPolicy
-
-    opts = dict(BUCKET)
-    backend = name.split("_r")[0]
-    if backend == "zero3":
-        opts["units"] = UNITS_BY_MODEL[cfg["model"]]
-    reduce = {"reduce_dtype": torch.bfloat16} if name.endswith("_rbf16") else {}
-    policy = PrecisionPolicy.from_mixed_precision("bf16", param_dtype=torch.bfloat16, **reduce)
-    acc = Accelerator(policy=policy, backend=backend, cpu=True, log_policy=False, engine_options=opts)
-    prepared, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    return acc, prepared, opt
-
-
 def _rank_main(state, name: str, cfg: dict) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -110,7 +94,7 @@ def _rank_main(state, name: str, cfg: dict) -> dict:
     baseline = rss_bytes()
     model = make()
     P = n_params(model)
-    acc, prepared, opt = _prepare(name, model, cfg)
+    acc, prepared, opt = mixprec_prepare(name, model, loss_fn)
     del model
     for ids, tgt in data[:WARMUP]:
         acc.backward(loss_fn(prepared(ids), tgt))

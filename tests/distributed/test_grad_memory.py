@@ -79,23 +79,31 @@ def _probe() -> dict:
     return {"seen": _status_bytes("VmHWM") - base, "left": _status_bytes("VmRSS") - base}
 
 
-def _transient(backend: str, max_inflight_buckets=None) -> dict:
+def _prepared_mlp(backend: str, width: int, layers: int, options: dict):
+    """``layers`` x Linear(``width``) prepared on ``backend`` (bf16 parameters, AdamW), an input
+    batch, and one training step of it."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    options = {"bucket_cap_mb": BUCKET_MB}
-    if max_inflight_buckets is not None:
-        options["max_inflight_buckets"] = max_inflight_buckets
-    if backend in ("zero3", "fsdp"):
-        options["units"] = ["Linear"]  # 16 units (sharding cores) sharing one in-flight window
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     acc = Accelerator(mixed_precision="bf16", backend=backend, param_dtype=torch.bfloat16,
                       engine_options=options, log_policy=False)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    x = torch.randn(BATCH, WIDTH)
+    x = torch.randn(BATCH, width)
 
     def step():
         acc.backward(model(x).float().square().mean())
         opt.step()
         opt.zero_grad()
+
+    return acc, model, opt, x, step
+
+
+def _transient(backend: str, max_inflight_buckets=None) -> dict:
+    options = {"bucket_cap_mb": BUCKET_MB}
+    if max_inflight_buckets is not None:
+        options["max_inflight_buckets"] = max_inflight_buckets
+    if backend in ("zero3", "fsdp"):
+        options["units"] = ["Linear"]  # 16 units (sharding cores) sharing one in-flight window
+    acc, model, opt, x, step = _prepared_mlp(backend, WIDTH, LAYERS, options)
 
     for _ in range(2):
         step()
@@ -255,18 +263,8 @@ def _zero_peaks(state, backends) -> dict:
     _malloc_returns_freed_memory()
     out = {"probe": _probe()}
     for backend in backends:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(PEAK_WIDTH, PEAK_WIDTH) for _ in range(PEAK_LAYERS)])
-        acc = Accelerator(mixed_precision="bf16", backend=backend, param_dtype=torch.bfloat16,
-                          engine_options={"bucket_cap_mb": PEAK_BUCKET_MB}, log_policy=False)
-        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-        x = torch.randn(BATCH, PEAK_WIDTH)
-
-        def step():
-            acc.backward(model(x).float().square().mean())
-            opt.step()
-            opt.zero_grad()
-
+        acc, model, opt, x, step = _prepared_mlp(backend, PEAK_WIDTH, PEAK_LAYERS,
+                                                 {"bucket_cap_mb": PEAK_BUCKET_MB})
         for _ in range(2):
             step()
         transients = []
@@ -329,14 +327,9 @@ FOLD_SLACK = 4 * MIB
 
 def _zero1_fold_and_gathers(state, bucket_mb) -> dict:
     _malloc_returns_freed_memory()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(FOLD_WIDTH, FOLD_WIDTH) for _ in range(FOLD_LAYERS)])
-    acc = Accelerator(mixed_precision="bf16", backend="zero1", param_dtype=torch.bfloat16,
-                      engine_options={"bucket_cap_mb": bucket_mb, "first_bucket_cap_mb": bucket_mb},
-                      log_policy=False)
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    acc, model, opt, x, _ = _prepared_mlp("zero1", FOLD_WIDTH, FOLD_LAYERS,
+                                          {"bucket_cap_mb": bucket_mb, "first_bucket_cap_mb": bucket_mb})
     cores = acc.engine.comm.all_cores()
-    x = torch.randn(BATCH, FOLD_WIDTH)
     out = {"fold": [], "gather": [], "buckets": sum(len(c.bucket_indices()) for c in cores)}
     for i in range(3):
         acc.backward(model(x).float().square().mean())

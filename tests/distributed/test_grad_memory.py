@@ -371,3 +371,47 @@ def test_zero1_gathers_one_bucket_at_a_time_on_cpu(zero1_fold):
         assert min(r["gather"]) < bound, (
             f"rank {rank}: the step's gathers added {[round(t / MIB, 1) for t in r['gather']]} MiB "
             f"(bound {bound / MIB:.1f}: one staged {bf16_bucket / MIB:.0f} MiB bucket + its source)")
+
+
+# ----------------------------------------------------------------------------------------
+# zero1 keeps its whole fp32 gradient until the step. A bucket allocated zeroed became
+# resident whole at its first gradient, at the start of backward, beside every layer's saved
+# activations. On CPU its pages are now written slot by slot as the gradients arrive ([Note:
+# bucket pages on first touch] in csrc/engines/sharded/core.h), while autograd frees each
+# layer's saved input once its backward ran: the two trade places. 8 x Linear(1024) in one
+# 32 MiB bucket, a 2048-row batch (4 MiB of bf16 saved input per layer, 32 MiB in all), a
+# loss whose backward allocates little (a sum). Backward's peak over the resident set before
+# it (forward done): measured 39.1-41.6 MiB before (the whole bucket at the first gradient),
+# 11.1-13.5 after (one layer's bf16 gradients and grad-input beside its slot); bound 20 MiB.
+TOUCH_ROWS = 2048
+TOUCH_BOUND = 20 * MIB
+
+
+def _zero1_backward_peak(state) -> dict:
+    _malloc_returns_freed_memory()
+    acc, model, opt, _, _ = _prepared_mlp("zero1", FOLD_WIDTH, FOLD_LAYERS,
+                                          {"bucket_cap_mb": 64, "first_bucket_cap_mb": 64})
+    x = torch.randn(TOUCH_ROWS, FOLD_WIDTH)
+    out = {"backward": [], "buckets": sum(len(c.bucket_indices()) for c in acc.engine.comm.all_cores())}
+    for _ in range(3):
+        loss = model(x).sum()
+        before = _status_bytes("VmRSS")
+        _reset_peak()
+        acc.backward(loss)
+        out["backward"].append(_status_bytes("VmHWM") - before)
+        del loss
+        opt.step()
+        opt.zero_grad()
+    acc.engine.release()
+    return out
+
+
+def test_zero1_bucket_pages_follow_the_gradients_on_cpu():
+    from harness import run_distributed as run_warm  # the suite's warm ranks
+
+    for rank, r in enumerate(run_warm(_zero1_backward_peak, 2, timeout=300)):
+        assert r["buckets"] == 1, r
+        assert min(r["backward"]) < TOUCH_BOUND, (
+            f"rank {rank}: zero1's backward added {[round(t / MIB, 1) for t in r['backward']]} MiB over "
+            f"the forward's resident set (bound {TOUCH_BOUND / MIB:.0f}; the bucket is "
+            f"{4 * FOLD_P / MIB:.0f} MiB, the saved activations {FOLD_LAYERS * TOUCH_ROWS * FOLD_WIDTH * 2 / MIB:.0f})")

@@ -135,6 +135,7 @@ ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string
     bucket.pending = lb[b].params.size();
   }
   ready_.assign(params_.size(), false);
+  slot_written_.assign(params_.size(), true);
   // Hooks after set_data: an accumulator made for the old dtype would be stale.
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -167,10 +168,38 @@ void ShardedCore::set_sync(bool sync) {
 
 at::Tensor& ShardedCore::grads_of(Bucket& bucket, size_t b) {
   if (!bucket.grads.defined()) {
-    bucket.grads = at::zeros({layout_.buckets()[b].padded}, master_.options());
+    const auto& info = layout_.buckets()[b];
+    // [Note: bucket pages on first touch]
+    if (master_.device().is_cpu()) {
+      bucket.grads = at::empty({info.padded}, master_.options());
+      bucket.filled = false;
+      for (const auto i : info.params) slot_written_[i] = false;
+    } else {
+      bucket.grads = at::zeros({info.padded}, master_.options());
+      bucket.filled = true;
+    }
     window_->add_bucket_bytes(static_cast<int64_t>(bucket.grads.nbytes()));
   }
   return bucket.grads;
+}
+
+at::Tensor& ShardedCore::filled_grads_of(Bucket& bucket, size_t b) {
+  auto& grads = grads_of(bucket, b);
+  if (bucket.filled) return grads;
+  // [Note: bucket pages on first touch]: the slots no gradient reached, the alignment gaps
+  // and the even-split tail are zero, as in a bucket allocated zeroed.
+  const auto& info = layout_.buckets()[b];
+  int64_t end = 0;  // the first element not known to hold a value
+  for (size_t k = 0; k < info.params.size(); ++k) {
+    const auto i = info.params[k];
+    const int64_t at = info.offsets[k];
+    if (at > end) grads.narrow(0, end, at - end).zero_();
+    if (!slot_written_[i]) grads.narrow(0, at, params_[i].numel()).zero_();
+    end = at + params_[i].numel();
+  }
+  if (info.padded > end) grads.narrow(0, end, info.padded - end).zero_();
+  bucket.filled = true;
+  return grads;
 }
 
 void ShardedCore::release_grads(Bucket& bucket) {
@@ -196,6 +225,10 @@ bool ShardedCore::on_grad_ready(size_t index) {
   // [Note: gradient reduction]: 1/N fused into the fp32 accumulation into the bucket.
   const double inv = 1.0 / static_cast<double>(layout_.world_size());
   auto slot = grads_of(bucket, b).narrow(0, layout_.offset_of(index), g.numel());
+  if (!bucket.filled && !slot_written_[index]) {
+    slot.zero_();  // [Note: bucket pages on first touch]: 0 + x, the same add as before
+    slot_written_[index] = true;
+  }
   const auto flat = g.reshape({-1});
   if (flat.scalar_type() == slot.scalar_type()) {
     slot.add_(flat, inv);
@@ -254,7 +287,7 @@ void ShardedCore::complete_if_inflight(size_t b, uint64_t launch_id) {
 void ShardedCore::launch_locked(size_t b) {
   auto& bucket = buckets_[b];
   const auto& info = layout_.buckets()[b];
-  auto& fp32_grads = grads_of(bucket, b);
+  auto& fp32_grads = filled_grads_of(bucket, b);
   // [Note: low-precision reduction] in core.h.
   if (options_.reduce_dtype != at::kFloat) {
     bucket.sent = fp32_grads.to(options_.reduce_dtype);
@@ -440,6 +473,7 @@ void ShardedCore::zero_grad(bool release) {
         release_grads(bucket);
       } else {
         bucket.grads.zero_();
+        bucket.filled = true;
       }
     }
     bucket.dirty = false;

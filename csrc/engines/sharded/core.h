@@ -34,6 +34,18 @@
 // 4P + 4P/N: its reduce() folds the buckets one by one into the shard and frees each. A
 // device caching allocator reserves the whole shard at once (no page-level saving there).
 //
+// [Note: bucket pages on first touch]
+// On CPU a full-size fp32 gradient bucket is allocated uninitialised, and each parameter's
+// slot is zeroed right before its first gradient is added (0 + x: the values of a bucket
+// allocated zeroed); what no gradient reached (unused parameters, alignment gaps, the
+// even-split tail) is zeroed before the bucket's collective reads it (filled_grads_of).
+// So the bucket's pages become resident slot by slot as backward produces the gradients,
+// while autograd frees the activations of the layers it is done with, instead of the whole
+// bucket at once next to the activations of every layer still ahead. ZeRO-1's backward holds
+// all its buckets at its end (4P, its ideal): allocated zeroed, the first 25 MiB bucket was
+// resident at the start of backward, beside the whole forward's saved activations. A device
+// caching allocator reserves a bucket whole, so on a device the bucket is allocated zeroed.
+//
 // [Note: bounded gathers]
 // gather_params() (zero1/2, after each step) rounds a bucket's owned masters into a
 // storage-dtype temporary and all-gathers it into the flat parameters, with at most two
@@ -292,6 +304,7 @@ class ShardedCore {
     at::Tensor params_flat;  // storage dtype [padded]; the parameters are views of it
     size_t pending = 0;
     bool dirty = false;      // holds gradients not reduced yet
+    bool filled = true;      // every element of grads holds its value ([Note: bucket pages on first touch])
     c10::intrusive_ptr<c10d::Work> work;
     uint64_t launch_id = 0;  // the window's id of the in-flight reduction (0: not in it)
     c10::intrusive_ptr<c10d::Work> gather;  // in-flight unshard all-gather
@@ -302,6 +315,7 @@ class ShardedCore {
   void drain_window();
   void complete_if_inflight(size_t b, uint64_t launch_id);
   at::Tensor& grads_of(Bucket& bucket, size_t b);
+  at::Tensor& filled_grads_of(Bucket& bucket, size_t b);  // grads_of, every element holding its value
   void release_grads(Bucket& bucket);
   void launch_locked(size_t b);
   bool launch_ready_locked();
@@ -323,6 +337,7 @@ class ShardedCore {
   std::vector<bool> ready_;
   at::Tensor master_;
   at::Tensor grad_;
+  std::vector<bool> slot_written_;  // per parameter: its slot of an unfilled bucket holds a value
   std::vector<bool> slice_zeroed_;  // per bucket: its slice of grad_ holds a value
   std::vector<std::pair<compat::NodePtr, uintptr_t>> hooks_;  // compat/torch_compat.h
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

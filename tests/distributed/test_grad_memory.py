@@ -79,13 +79,16 @@ def _probe() -> dict:
     return {"seen": _status_bytes("VmHWM") - base, "left": _status_bytes("VmRSS") - base}
 
 
-def _prepared_mlp(backend: str, width: int, layers: int, options: dict):
-    """``layers`` x Linear(``width``) prepared on ``backend`` (bf16 parameters, AdamW), an input
-    batch, and one training step of it."""
+def _prepared_mlp(backend: str, width: int, layers: int, options: dict, reduce_dtype=None):
+    """``layers`` x Linear(``width``) prepared on ``backend`` (bf16 parameters, AdamW; gradients
+    reduced in fp32, or ``reduce_dtype``), an input batch, and one training step of it."""
+    from mixprec import PrecisionPolicy
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    acc = Accelerator(mixed_precision="bf16", backend=backend, param_dtype=torch.bfloat16,
-                      engine_options=options, log_policy=False)
+    reduce = {} if reduce_dtype is None else {"reduce_dtype": reduce_dtype}
+    acc = Accelerator(policy=PrecisionPolicy.from_mixed_precision("bf16", param_dtype=torch.bfloat16, **reduce),
+                      backend=backend, engine_options=options, log_policy=False)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     x = torch.randn(BATCH, width)
 
@@ -325,10 +328,11 @@ FOLD_P = FOLD_LAYERS * (FOLD_WIDTH * FOLD_WIDTH + FOLD_WIDTH)  # 8.4M parameters
 FOLD_SLACK = 4 * MIB
 
 
-def _zero1_fold_and_gathers(state, bucket_mb) -> dict:
+def _zero1_fold_and_gathers(state, bucket_mb, reduce_dtype=None) -> dict:
     _malloc_returns_freed_memory()
     acc, model, opt, x, _ = _prepared_mlp("zero1", FOLD_WIDTH, FOLD_LAYERS,
-                                          {"bucket_cap_mb": bucket_mb, "first_bucket_cap_mb": bucket_mb})
+                                          {"bucket_cap_mb": bucket_mb, "first_bucket_cap_mb": bucket_mb},
+                                          reduce_dtype)
     cores = acc.engine.comm.all_cores()
     out = {"fold": [], "gather": [], "buckets": sum(len(c.bucket_indices()) for c in cores)}
     for i in range(3):
@@ -351,7 +355,9 @@ def _zero1_fold_and_gathers(state, bucket_mb) -> dict:
 def zero1_fold():
     from harness import run_distributed as run_warm  # the suite's warm ranks
 
-    return {mb: run_warm(_zero1_fold_and_gathers, 2, args=(mb,), timeout=300) for mb in (64, 16)}
+    out = {mb: run_warm(_zero1_fold_and_gathers, 2, args=(mb,), timeout=300) for mb in (64, 16)}
+    out["bf16"] = run_warm(_zero1_fold_and_gathers, 2, args=(64, torch.bfloat16), timeout=300)
+    return out
 
 
 def test_zero1_fold_holds_no_more_than_its_buckets(zero1_fold):
@@ -361,6 +367,21 @@ def test_zero1_fold_holds_no_more_than_its_buckets(zero1_fold):
             f"rank {rank}: folding one {4 * FOLD_P / MIB:.0f} MiB bucket added "
             f"{[round(t / MIB, 1) for t in r['fold']]} MiB over the buckets (bound {FOLD_SLACK / MIB:.0f}; "
             f"its shard slice is {2 * FOLD_P / MIB:.0f})")
+
+
+def test_zero1_fold_rounds_to_bf16_without_a_second_bucket(zero1_fold):
+    # reduce_dtype=bf16: the 32 MiB fp32 bucket is rounded into the 16 MiB copy the all-reduce
+    # sends. Rounded whole, the fold held the bucket and its copy, and the owned bf16 half was
+    # promoted to fp32 in one temporary when added into the shard (measured 15.8-16.0 MiB over
+    # the buckets). Rounded a chunk at a time, each chunk's fp32 pages given back ([Note:
+    # rounding a bucket page by page] in csrc/engines/sharded/core.cpp), and added in chunks,
+    # it holds no more than the bucket did (measured 0.4-0.5 MiB); bound 4 MiB.
+    for rank, r in enumerate(zero1_fold["bf16"]):
+        assert r["buckets"] == 1, r
+        assert min(r["fold"]) < FOLD_SLACK, (
+            f"rank {rank}: rounding and folding one {4 * FOLD_P / MIB:.0f} MiB bucket added "
+            f"{[round(t / MIB, 1) for t in r['fold']]} MiB over the buckets (bound {FOLD_SLACK / MIB:.0f}; "
+            f"its bf16 copy is {2 * FOLD_P / MIB:.0f})")
 
 
 def test_zero1_gathers_one_bucket_at_a_time_on_cpu(zero1_fold):

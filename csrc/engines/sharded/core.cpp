@@ -34,24 +34,66 @@ namespace {
 // user of its storage is touched (no view can see the zeros that the released pages read
 // as), only whole pages strictly inside its bytes, and the allocation is still freed as
 // usual afterwards. Values are not changed: the owned range is read as before.
-void release_pages_outside(const at::Tensor& t, int64_t keep_begin, int64_t keep_end) {
 #if defined(__linux__)
-  if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.storage().use_count() != 1) return;
+// Whole pages strictly inside elements [from, to) of `t`, when `t` may give them back: a
+// contiguous CPU tensor that is the sole user of its storage (no view can see the zeros the
+// released pages read as). Returns false when it may not (then nothing is released).
+bool release_pages(const at::Tensor& t, int64_t from, int64_t to) {
+  if (!t.defined() || !t.device().is_cpu() || !t.is_contiguous() || t.storage().use_count() != 1) return false;
   static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
   const auto elem = static_cast<uintptr_t>(t.element_size());
-  auto release = [](uintptr_t from, uintptr_t to) {
-    const uintptr_t a = (from + page - 1) / page * page;
-    const uintptr_t b = to / page * page;
-    if (b > a) (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);  // advisory
-  };
-  release(base, base + static_cast<uintptr_t>(keep_begin) * elem);
-  release(base + static_cast<uintptr_t>(keep_end) * elem, base + static_cast<uintptr_t>(t.numel()) * elem);
+  const uintptr_t a = (base + static_cast<uintptr_t>(from) * elem + page - 1) / page * page;
+  const uintptr_t b = (base + static_cast<uintptr_t>(to) * elem) / page * page;
+  if (b > a) (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);  // advisory
+  return true;
+}
 #else
-  (void)t;
-  (void)keep_begin;
-  (void)keep_end;
+bool release_pages(const at::Tensor&, int64_t, int64_t) { return false; }
 #endif
+
+void release_pages_outside(const at::Tensor& t, int64_t keep_begin, int64_t keep_end) {
+  if (release_pages(t, 0, keep_begin)) release_pages(t, keep_end, t.numel());
+}
+
+constexpr int64_t kChunk = 1 << 18;  // elements: 1 MiB of fp32
+
+// dst += alpha * src over flat tensors. A low-precision src is promoted to fp32 inside add_,
+// on CPU into a temporary as large as src in fp32 (a bf16 gradient as large as a weight, a
+// bf16-reduced bucket's owned slice at the fold); chunks bound it. The same element-wise sums.
+void add_promoting_in_chunks(const at::Tensor& dst, const at::Tensor& src, double alpha) {
+  if (src.scalar_type() == dst.scalar_type()) {
+    dst.add_(src, alpha);
+    return;
+  }
+  for (int64_t at = 0; at < src.numel(); at += kChunk) {
+    const auto n = std::min(kChunk, src.numel() - at);
+    dst.narrow(0, at, n).add_(src.narrow(0, at, n), alpha);
+  }
+}
+
+// [Note: rounding a bucket page by page]
+// With reduce_dtype bf16/fp16 the fp32 bucket is rounded into the copy the collective sends,
+// then freed. Rounded whole, the bucket and its copy coexist (1.5x the bucket); ZeRO-1
+// rounds every bucket at the step, next to all the others (4P + half the largest bucket).
+// On CPU the rounding goes in chunks of 256K elements, and the fp32 pages a chunk has been
+// read from are given back at once (release_pages): the two never hold much more than the
+// bucket did. `release` false (the bucket is kept, or shared): one copy, as before. The
+// values are those of a whole-tensor cast (the same element-wise rounding).
+at::Tensor rounded_copy(const at::Tensor& fp32, c10::ScalarType dtype, bool release) {
+  auto out = at::empty(fp32.sizes(), fp32.options().dtype(dtype));
+  if (!release || !fp32.device().is_cpu()) return out.copy_(fp32);
+  int64_t done = 0;  // fp32 elements given back so far
+  for (int64_t at = 0; at < fp32.numel(); at += kChunk) {
+    const auto n = std::min(kChunk, fp32.numel() - at);
+    out.narrow(0, at, n).copy_(fp32.narrow(0, at, n));
+    if (!release_pages(fp32, done, at + n)) {  // not the sole user: the rest in one copy
+      out.narrow(0, at + n, fp32.numel() - at - n).copy_(fp32.narrow(0, at + n, fp32.numel() - at - n));
+      break;
+    }
+    done = at + n;
+  }
+  return out;
 }
 
 std::vector<LayoutParam> describe(const std::vector<at::Tensor>& params,
@@ -229,18 +271,7 @@ bool ShardedCore::on_grad_ready(size_t index) {
     slot.zero_();  // [Note: bucket pages on first touch]: 0 + x, the same add as before
     slot_written_[index] = true;
   }
-  const auto flat = g.reshape({-1});
-  if (flat.scalar_type() == slot.scalar_type()) {
-    slot.add_(flat, inv);
-  } else {
-    // A low-precision gradient is promoted to fp32 inside add_ (a temporary as large as the
-    // parameter in fp32, on CPU); chunks bound it (the same element-wise sums).
-    constexpr int64_t kChunk = 1 << 18;
-    for (int64_t at = 0; at < flat.numel(); at += kChunk) {
-      const auto n = std::min(kChunk, flat.numel() - at);
-      slot.narrow(0, at, n).add_(flat.narrow(0, at, n), inv);
-    }
-  }
+  add_promoting_in_chunks(slot, g.reshape({-1}), inv);
   g = at::Tensor();  // the full gradient is not kept: the bucket (then the shard) holds it
   bucket.dirty = true;
   if (options_.reshard_after_backward && ++grads_seen_ == params_.size()) reshard_locked();
@@ -290,7 +321,8 @@ void ShardedCore::launch_locked(size_t b) {
   auto& fp32_grads = filled_grads_of(bucket, b);
   // [Note: low-precision reduction] in core.h.
   if (options_.reduce_dtype != at::kFloat) {
-    bucket.sent = fp32_grads.to(options_.reduce_dtype);
+    // [Note: rounding a bucket page by page]
+    bucket.sent = rounded_copy(fp32_grads, options_.reduce_dtype, options_.free_grad_buckets);
     // The rounded copy is all the reduction needs: the fp32 bucket goes now, not at the
     // completion (its bytes would otherwise sit beside the copy while it is in flight).
     if (options_.free_grad_buckets) release_grads(bucket);
@@ -361,7 +393,7 @@ void ShardedCore::complete_locked(size_t b) {
     if (options_.free_grad_buckets) release_pages_outside(reduced_full, begin, begin + info.shard);
     owned = reduced_full.narrow(0, begin, info.shard);
   }
-  grad_slice_locked(b).add_(owned);  // into fp32 (promotes)
+  add_promoting_in_chunks(grad_slice_locked(b), owned, 1.0);  // into fp32
   bucket.reduced = at::Tensor();
   bucket.sent = at::Tensor();
   if (options_.free_grad_buckets) {

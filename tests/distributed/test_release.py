@@ -43,3 +43,30 @@ def test_end_training_frees_engine_objects_holding_the_group(backend):
         assert r["objects"] >= 1
         assert r["alive_after_end_training"] == 0, r
         assert r["group_initialized"] is False
+
+
+def _accelerators_in_a_row(state, rounds):
+    import time
+
+    rank, out = state.rank, []
+    for i in range(rounds):
+        if i and rank == 0:
+            # Rank 0 re-creates its group last: rank 1 reaches the store first and would read
+            # rank 0's address from the previous group's keys ([Note: a fresh store prefix
+            # per process group] in src/mixprec/distributed/state.py).
+            time.sleep(1.0)
+        acc = Accelerator(backend="ddp", cpu=True, log_policy=False)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        acc.backward(model(torch.randn(4, 8)).square().mean())
+        opt.step()
+        out.append(acc.gather(torch.tensor([10 * i + rank])).tolist())
+        acc.end_training()  # the old Accelerator (and its group) stays referenced until rebound
+    return out
+
+
+def test_a_new_accelerator_after_end_training_joins_a_fresh_group():
+    # Before the fix the second round's first collective waited for ever on both ranks.
+    for rank_out in run_distributed(_accelerators_in_a_row, 2, args=(3,), timeout=60):
+        assert rank_out == [[0, 1], [10, 11], [20, 21]]

@@ -245,7 +245,7 @@ def init_distributed(
         _env_int("MASTER_PORT", minimum=1)
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
+            store=_fresh_store(rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
             timeout=timeout,
@@ -261,6 +261,29 @@ def init_distributed(
         group=dist.group.WORLD,
         device=device,
     )
+
+
+# [Note: a fresh store prefix per process group]
+# torch's env:// rendezvous keeps one TCPStore server per port in a process (multi-tenant),
+# alive while anything holds a store of it, and after destroy_process_group() it names the
+# next default group "0" again: the new group's Gloo/NCCL rendezvous reads and writes the
+# same keys as the last one's. A group that is still referenced (the Accelerator that ended
+# its training, while the next one is built: `acc = Accelerator(...)` twice in a loop or a
+# notebook) keeps the server and those keys alive, so a rank could read its peer's address
+# from the previous group before the peer wrote the new one, and both ranks then waited in
+# their first collective for ever. Every default group mixprec creates gets its own key
+# prefix, "mixprec/<n>" for the n-th in this process: every rank creates the same groups in
+# the same order, so they agree on n, and no group reads another's keys.
+_GROUPS_CREATED = [0]
+
+
+def _fresh_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The env:// rendezvous store (MASTER_ADDR/MASTER_PORT, as torch's ``init_method="env://"``
+    makes it) under a prefix of its own ([Note: a fresh store prefix per process group])."""
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    _GROUPS_CREATED[0] += 1
+    return dist.PrefixStore(f"mixprec/{_GROUPS_CREATED[0]}", store)
 
 
 def _cuda_device_for(device: torch.device, local_rank: int, backend: str) -> torch.device:

@@ -187,6 +187,8 @@ def fake_two_ranks_one_gpu(monkeypatch):
     monkeypatch.setattr(st.dist, "get_world_size", lambda *a: 2)
     monkeypatch.setattr(st.dist, "get_rank", lambda *a: 1)
     monkeypatch.setattr(st.dist, "init_process_group", init_process_group)
+    # No rendezvous either: rank 1 alone would wait for a store at MASTER_PORT.
+    monkeypatch.setattr(st, "_fresh_store", lambda rank, world_size, timeout: ("store", rank, world_size))
     return st, calls, group
 
 
@@ -206,6 +208,7 @@ def test_gloo_ranks_share_the_device(fake_two_ranks_one_gpu):
     assert state.device == torch.device("cuda", 0) and state.backend == "gloo"
     assert calls["set_device"] == [torch.device("cuda", 0)]
     assert calls["init"][0]["backend"] == "gloo" and calls["init"][0]["device_id"] is None
+    assert calls["init"][0]["store"] == ("store", 1, 2)  # [Note: a fresh store prefix per process group]
 
 
 def test_an_existing_gloo_group_lets_ranks_share_the_device(fake_two_ranks_one_gpu):

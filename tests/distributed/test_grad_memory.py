@@ -360,13 +360,17 @@ def zero1_fold():
     return out
 
 
-def test_zero1_fold_holds_no_more_than_its_buckets(zero1_fold):
-    for rank, r in enumerate(zero1_fold[64]):
+def _assert_one_bucket_folds_within_slack(results, doing: str, beside: str) -> None:
+    for rank, r in enumerate(results):
         assert r["buckets"] == 1, r
         assert min(r["fold"]) < FOLD_SLACK, (
-            f"rank {rank}: folding one {4 * FOLD_P / MIB:.0f} MiB bucket added "
+            f"rank {rank}: {doing} one {4 * FOLD_P / MIB:.0f} MiB bucket added "
             f"{[round(t / MIB, 1) for t in r['fold']]} MiB over the buckets (bound {FOLD_SLACK / MIB:.0f}; "
-            f"its shard slice is {2 * FOLD_P / MIB:.0f})")
+            f"{beside} is {2 * FOLD_P / MIB:.0f})")
+
+
+def test_zero1_fold_holds_no_more_than_its_buckets(zero1_fold):
+    _assert_one_bucket_folds_within_slack(zero1_fold[64], "folding", "its shard slice")
 
 
 def test_zero1_fold_rounds_to_bf16_without_a_second_bucket(zero1_fold):
@@ -376,12 +380,7 @@ def test_zero1_fold_rounds_to_bf16_without_a_second_bucket(zero1_fold):
     # the buckets). Rounded a chunk at a time, each chunk's fp32 pages given back ([Note:
     # rounding a bucket page by page] in csrc/engines/sharded/core.cpp), and added in chunks,
     # it holds no more than the bucket did (measured 0.4-0.5 MiB); bound 4 MiB.
-    for rank, r in enumerate(zero1_fold["bf16"]):
-        assert r["buckets"] == 1, r
-        assert min(r["fold"]) < FOLD_SLACK, (
-            f"rank {rank}: rounding and folding one {4 * FOLD_P / MIB:.0f} MiB bucket added "
-            f"{[round(t / MIB, 1) for t in r['fold']]} MiB over the buckets (bound {FOLD_SLACK / MIB:.0f}; "
-            f"its bf16 copy is {2 * FOLD_P / MIB:.0f})")
+    _assert_one_bucket_folds_within_slack(zero1_fold["bf16"], "rounding and folding", "its bf16 copy")
 
 
 def test_zero1_gathers_one_bucket_at_a_time_on_cpu(zero1_fold):

@@ -29,9 +29,10 @@ demo: install
 # Two pytest-xdist workers, a test file per worker at a time (--dist loadfile: a file's
 # module fixtures and warm ranks stay in one worker). Many tests wait on subprocesses,
 # timeouts or Gloo; two workers keep both cores busy (15.5 -> 11.7 min here, 2 cores).
+# --no-loadscope-reorder keeps tests/conftest.py's order (the longest files first).
 # TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install
 	$(PYTEST) --durations=30

@@ -163,20 +163,25 @@ def _accumulation(state, backend):
     import torch.distributed as dist
 
     from _helpers import loss_fn, make_mlp
-    from mixprec import Accelerator
+    from mixprec import Accelerator, GradientAccumulationPlugin
 
     g = torch.Generator().manual_seed(dist.get_rank())
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
 
     def train(ga, mode):
-        acc = Accelerator(gradient_accumulation_steps=ga, backend=backend, cpu=True, log_policy=False)
+        # sync_each_batch: accumulate() leaves sync on, so zero2 reduces every micro-batch into
+        # its 1/N shard, which sums them (docs/zero.md, "Accumulating over micro-batches").
+        plugin = GradientAccumulationPlugin(num_steps=ga, sync_each_batch=mode == "sync_each_batch")
+        acc = Accelerator(gradient_accumulation_plugin=plugin, backend=backend, cpu=True, log_policy=False)
         model = make_mlp()
         model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         for x, y in data:
-            if mode == "accumulate":
+            if mode in ("accumulate", "sync_each_batch"):
                 for i in range(ga):
                     with acc.accumulate(model):
                         acc.backward(loss_fn(model(x[i::ga]), y[i::ga]))
+                        if i == 0 and ga > 1:  # full fp32 buckets still held between micro-batches
+                            held[mode] = sum(c.grad_bucket_bytes() for c in acc.engine.comm.all_cores())
                         opt.step()
                         opt.zero_grad()
             else:  # one coalesced reduction for the micro-batches
@@ -187,15 +192,21 @@ def _accumulation(state, backend):
                 opt.zero_grad()
         return [p.detach().clone() for p in model.parameters()]
 
+    held = {}
     big = train(1, "accumulate")
-    return [max((a - b).abs().max().item() for a, b in zip(big, train(2, mode)))
-            for mode in ("accumulate", "coalesce")]
+    worst = [max((a - b).abs().max().item() for a, b in zip(big, train(2, mode)))
+             for mode in ("accumulate", "coalesce", "sync_each_batch")]
+    return worst, held
 
 
 @pytest.mark.parametrize("backend", STAGES)
 def test_accumulate_and_coalesce_equal_larger_batch(backend):
-    for worst in run_distributed(_accumulation, 2, args=(backend,)):
+    for worst, held in run_distributed(_accumulation, 2, args=(backend,)):
         assert max(worst) <= 1e-6, worst
+        assert held["accumulate"] > 0, held  # accumulate() keeps the full fp32 gradient
+        # sync_each_batch: zero2 reduced the micro-batch into its shard and freed the buckets;
+        # zero1 reduces only at the step
+        assert (held["sync_each_batch"] == 0) == (backend == "zero2"), held
 
 
 def _refused(state, optimizer_name):

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .layers import TPGroup, check_divisible, full_from_local, replicate_kv_module, split_module
-from .plan import SPLIT_STYLES, LayerPlan, PlanError, resolve_plan
+from .layers import TPGroup, check_divisible, full_from_local, replicate_kv_module, split_module, style_dim
+from .plan import SPLIT_STYLES, LayerPlan, PlanError, nothing_split_message, resolve_plan
 
 # Attributes attention modules keep their head counts in (a split module sees its own).
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "num_kv_heads",
-               "n_kv_heads", "num_key_value_heads_per_partition")
+               "n_kv_heads", "num_key_value_heads_per_partition", "split_size")
 _KV_NAMES = ("k_proj", "v_proj", "key", "value")
 _KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads_per_partition")
 
@@ -103,6 +103,8 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     if world_group is not None:
         start_replicas(model, world_group, world_group.group_name)
     plans = resolve_plan(model, tp_config)
+    if tp.size > 1 and not any(p.style in SPLIT_STYLES for p in plans.values()):
+        raise PlanError(nothing_split_message(model, tp_config, tp.size))
     head_dim = _head_dim(model)
     kv = _kv_heads(model)
     modules = dict(model.named_modules())
@@ -147,9 +149,9 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
         shared = done.get(id(originals["weight"]))
         if shared is not None:
             new_w, dim, sizes = shared
-            if (dim, sizes) != (plan.split_dim(), plan.shape):
+            if (dim, sizes) != (style_dim(plan, module), plan.shape):
                 raise PlanError(f"{name}: its weight is shared (tied) with a module split on dim {dim}, but its own "
-                                f"plan splits dim {plan.split_dim()}; give both the same partition")
+                                f"plan splits dim {style_dim(plan, module)}; give both the same partition")
         full_shapes = {k: tuple(t.shape) for k, t in originals.items() if isinstance(t, torch.Tensor)}
         keep_alive.extend(t for t in originals.values() if t is not None)
         for attr, new, dim in split_module(module, plan, tp):
@@ -206,7 +208,9 @@ def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup, 
     """A module with a column-split child Linear sees its local head counts; with key/value
     heads fewer than TP ranks, one local key/value head (its query heads' groups adjusted)."""
     kv_whole = bool(kv) and tp.size > kv
-    for module in _column_parents(model, plans, ("column", "column_gather")):
+    # Only a split output makes a module see its local heads: a gathered one (Phi3's plan
+    # gathers its fused qkv) is whole again, and so are its head counts.
+    for module in _column_parents(model, plans, ("column",)):
         for attr in _HEAD_ATTRS:
             v = module.__dict__.get(attr)
             if not isinstance(v, int) or isinstance(v, bool):
@@ -274,16 +278,25 @@ def _grad_allreduce_hook(tp: TPGroup):
     return hook
 
 
+def _group_device(group: Any) -> torch.device:
+    """The device a collective on ``group`` takes its tensors on: NCCL groups the current
+    CUDA device, others (Gloo) the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+
+
 def _sync_rng(tp: TPGroup) -> None:
-    """TP ranks take TP rank 0's torch RNG state (CPU, and the current CUDA device's)."""
+    """TP ranks take TP rank 0's torch RNG state (CPU, and the current CUDA device's); the
+    states travel on the group's device (a CPU tensor on an NCCL group fails)."""
     if tp.size == 1:
         return
     src = dist.get_global_rank(tp.group, 0)
-    state = torch.get_rng_state()
+    device = _group_device(tp.group)
+    state = torch.get_rng_state().to(device)
     dist.broadcast(state, src=src, group=tp.group)
-    torch.set_rng_state(state)
+    torch.set_rng_state(state.cpu())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda_state = torch.cuda.get_rng_state().to("cuda")
+        cuda_state = torch.cuda.get_rng_state().to(device)
         dist.broadcast(cuda_state, src=src, group=tp.group)
         torch.cuda.set_rng_state(cuda_state.cpu())
 
@@ -309,10 +322,11 @@ def _install_input_check(model: nn.Module, tp: TPGroup) -> None:
         return
     handle = None
 
+    @torch.compiler.disable
     def check(module, args, kwargs):
         handle.remove()
         mine = _digest(args, kwargs)
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        device = _group_device(tp.group)
         parts = [torch.empty(2, dtype=torch.float64, device=device) for _ in range(tp.size)]
         dist.all_gather(parts, mine.to(device), group=tp.group)
         rows = [p.cpu() for p in parts]

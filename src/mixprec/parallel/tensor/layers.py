@@ -24,10 +24,9 @@ The collectives go through ``torch.distributed`` on the TP subgroup (the same c1
 groups the C++ engines resolve by name); sums run in the activation's dtype, as Megatron's
 and DeepSpeed's do.
 
-The modules keep their class's identity: a split ``nn.Linear`` is swapped to a subclass of its
-own class (``isinstance(m, nn.Linear)`` holds, ``state_dict`` keys are unchanged) whose
-``forward`` adds the collectives, and its ``weight``/``bias`` are replaced by this rank's
-slice (docs/tensor_parallel.md).
+The modules keep their class and their own ``forward``: hooks put the collectives around it
+and its ``weight``/``bias`` are replaced by this rank's slice ([Note: split modules keep their
+forward] below; docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -39,10 +38,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from .plan import LayerPlan, PlanError
+from .plan import SPLIT_STYLES, LayerPlan, PlanError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,117 +180,138 @@ def scatter_to(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------ modules
-class TPModule:
-    """Mixin placed in front of a split module's class. ``_mixprec_tp``: its TP group and
-    plan; ``_mixprec_tp_original``: the class to put back (pickles, ``restore``)."""
-
-    _mixprec_tp_original: type
-    _mixprec_tp: "TPState"
-
-    def __reduce_ex__(self, protocol):
-        import copyreg
-
-        state = self.__getstate__()
-        state.pop("_mixprec_tp", None)
-        state.pop("_mixprec_casts", None)
-        return copyreg._reconstructor, (type(self)._mixprec_tp_original, object, None), state
-
-    def extra_repr(self) -> str:
-        base = super().extra_repr()
-        st = self._mixprec_tp
-        return f"{base}, tp={st.plan.style} {st.tp.rank}/{st.tp.size}"
+# [Note: split modules keep their forward]
+# A split module keeps its class and its own ``forward`` (a subclass's scaling, soft-capping
+# or custom code stays: Gemma's scaled embedding multiplies its own lookup). Only its
+# parameters become this rank's slices, its size attributes (``out_features``, ``nf``,
+# ``num_embeddings``...) follow them, and forward hooks put the collectives around the call:
+#
+# ==================  ==========================  ======================================
+# style               before forward (input)      after forward (output)
+# ==================  ==========================  ======================================
+# column              copy_to                     (stays split on its last dim)
+# column_gather       copy_to                     gather_from
+# row                 (split input)               reduce_from; a bias once (below)
+# row_split_input     scatter_to                  reduce_from; a bias once
+# vocab               ids made local, others 0    rows of others' ids zeroed; reduce_from
+# embedding_col       --                          gather_from
+# kv_replicated       copy_to                     this rank's key/value head kept
+# ==================  ==========================  ======================================
+#
+# A row-split module's own forward adds its (replicated) bias on every rank, so the sum
+# would count it ``size`` times: the hook sums ``y - bias`` and adds the bias back once.
+# Every rank then holds the same output and the bias's gradient is the output's gradient
+# (``g - g + g``), as without TP; the subtraction is exact up to one rounding of ``y``.
+# Under ``torch.compile`` the hooks run eagerly (``torch.compiler.disable``): Dynamo breaks
+# the graph around each collective instead of tracing Python-side TP state.
 
 
 @dataclasses.dataclass
 class TPState:
+    """What the hooks of one split module need (held by its hooks, not set on the module)."""
+
     tp: TPGroup
     plan: LayerPlan
     vocab_start: int = 0  # vocab: the first id this rank holds
-    out_narrow: Optional[tuple] = None  # kv-replicated: (start, length) of the output kept
+    vocab_size: int = 0  # vocab: how many ids this rank holds
+    out_narrow: Optional[tuple] = None  # kv_replicated: (start, length) of the output kept
+    outside: list = dataclasses.field(default_factory=list)  # vocab: masks of ids held elsewhere
 
 
-def _weight(module: nn.Module) -> torch.Tensor:
-    """The weight the forward multiplies by: the update's compute-dtype copy where the
-    replicated engines keep one ([Note: the update writes the forward's weights] in
-    engines/weight_casts.py), else the parameter (autocast casts it)."""
-    casts = module.__dict__.get("_mixprec_casts")
-    return module.weight if casts is None else casts.weight(module.weight)
+def _first_input(args: tuple, kwargs: dict) -> tuple:
+    """(the module's input tensor, a function putting a replacement back in its place)."""
+    if args:
+        return args[0], lambda x: ((x, *args[1:]), kwargs)
+    if len(kwargs) >= 1:
+        key = next(iter(kwargs))
+        return kwargs[key], lambda x: (args, {**kwargs, key: x})
+    raise TypeError("a tensor-parallel split module was called without an input")
 
 
-class _ColumnLinear(TPModule):
-    _mixprec_reads_weight_casts = True
+def _pre_hook(st: TPState):
+    style = st.plan.style
 
-    def forward(self, x):
-        st = self._mixprec_tp
-        y = F.linear(copy_to(x, st.tp), _weight(self), self.bias)
-        if st.plan.style == "column_gather":
-            y = gather_from(y, st.tp)
-        return y
+    @torch.compiler.disable
+    def hook(module, args, kwargs):
+        x, put = _first_input(args, kwargs)
+        if style in ("column", "column_gather", "kv_replicated"):
+            return put(copy_to(x, st.tp))
+        if style == "row_split_input":
+            return put(scatter_to(x, st.tp))
+        if style == "vocab":
+            local = x - st.vocab_start
+            outside = (local < 0) | (local >= st.vocab_size)
+            st.outside.append(outside)
+            return put(local.masked_fill(outside, 0))
+        return None
 
-
-class _KVReplicatedLinear(TPModule):
-    """[Note: KV heads fewer than TP ranks] A key/value projection with fewer heads than TP
-    ranks cannot be split on head boundaries. Every rank keeps the whole (replicated) weight,
-    computes every head and keeps the one its query heads read (``out_narrow``). Its weight
-    and input gradients are then partial, each rank holding its query heads' part: the input
-    goes through copy_to (the input gradient summed over TP) and the weight's gradient is
-    summed over TP by a hook (``grad_allreduce``), so every rank holds the whole, same
-    gradient and the weight stays replicated."""
-
-    _mixprec_reads_weight_casts = True
-
-    def forward(self, x):
-        st = self._mixprec_tp
-        start, length = st.out_narrow
-        return F.linear(copy_to(x, st.tp), _weight(self), self.bias).narrow(-1, start, length)
+    return hook
 
 
-class _RowLinear(TPModule):
-    _mixprec_reads_weight_casts = True
+def _post_hook(st: TPState):
+    style = st.plan.style
 
-    def forward(self, x):
-        st = self._mixprec_tp
-        if st.plan.style == "row_split_input":
-            x = scatter_to(x, st.tp)
-        y = reduce_from(F.linear(x, _weight(self)), st.tp)
-        return y if self.bias is None else y + self.bias
+    @torch.compiler.disable
+    def hook(module, args, kwargs, output):
+        # always_call: a forward that raised still pops its mask, and its output is None
+        outside = st.outside.pop() if style == "vocab" and st.outside else None
+        if output is None:
+            return None
+        if style == "vocab":
+            return reduce_from(output.masked_fill(outside.unsqueeze(-1), 0.0), st.tp)
+        if style in ("column_gather", "embedding_col"):
+            return gather_from(output, st.tp)
+        if style in ("row", "row_split_input"):
+            bias = getattr(module, "bias", None)
+            if not isinstance(bias, torch.Tensor):
+                return reduce_from(output, st.tp)
+            return (reduce_from(output - bias, st.tp) + bias).to(output.dtype)
+        if style == "kv_replicated":
+            start, length = st.out_narrow
+            return output.narrow(-1, start, length)
+        return None
 
-
-class _VocabEmbedding(TPModule):
-    def forward(self, ids):
-        st = self._mixprec_tp
-        n = self.weight.shape[0]
-        local = ids - st.vocab_start
-        outside = (local < 0) | (local >= n)
-        local = local.masked_fill(outside, 0)
-        pad = self.padding_idx - st.vocab_start if self.padding_idx is not None else None
-        pad = pad if pad is not None and 0 <= pad < n else None
-        out = F.embedding(local, self.weight, pad, self.max_norm, self.norm_type, self.scale_grad_by_freq,
-                          self.sparse)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from(out, st.tp)
-
-
-class _ColEmbedding(TPModule):
-    def forward(self, ids):
-        st = self._mixprec_tp
-        out = F.embedding(ids, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-                          self.scale_grad_by_freq, self.sparse)
-        return gather_from(out, st.tp)
+    return hook
 
 
-_MIXINS = {"column": _ColumnLinear, "column_gather": _ColumnLinear, "row": _RowLinear,
-           "row_split_input": _RowLinear, "vocab": _VocabEmbedding, "embedding_col": _ColEmbedding}
-_CLASSES: dict[tuple[type, type], type] = {}
+def _install_hooks(module: nn.Module, st: TPState) -> None:
+    if st.plan.style in ("column", "column_gather", "kv_replicated", "row_split_input", "vocab"):
+        module.register_forward_pre_hook(_pre_hook(st), with_kwargs=True)
+    if st.plan.style != "column":
+        module.register_forward_hook(_post_hook(st), with_kwargs=True, always_call=True)
+    module.__dict__.setdefault("_mixprec_tp_states", []).append(st)
 
 
-def _tp_class(cls: type, mixin: type) -> type:
-    key = (cls, mixin)
-    if key not in _CLASSES:
-        new = type(f"{mixin.__name__.lstrip('_')}{cls.__name__}", (mixin, cls), {"_mixprec_tp_original": cls})
-        new.__module__ = __name__
-        _CLASSES[key] = new
-    return _CLASSES[key]
+def tp_state(module: nn.Module) -> Optional[TPState]:
+    """The split state of ``module`` (None where it is not split)."""
+    states = module.__dict__.get("_mixprec_tp_states")
+    return states[-1] if states else None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 and its family): a Linear whose weight is stored
+    transposed, ``[in, out]`` (``nx``, ``nf``), computing ``x @ weight + bias``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx") \
+        and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2
+
+
+def weight_dims(module: nn.Module) -> tuple[int, int]:
+    """(output dim, input dim) of a Linear-like module's weight."""
+    return (1, 0) if is_conv1d(module) else (0, 1)
+
+
+def style_dim(plan: LayerPlan, module: nn.Module) -> Optional[int]:
+    """The weight dimension ``plan`` splits on ``module`` (Conv1D's weight is transposed)."""
+    if plan.style not in SPLIT_STYLES:
+        return None
+    if plan.dim is not None:
+        return plan.dim
+    if plan.style in ("vocab",):
+        return 0
+    if plan.style == "embedding_col":
+        return 1
+    out_dim, in_dim = weight_dims(module)
+    return out_dim if plan.style in ("column", "column_gather") else in_dim
 
 
 def local_slice(full: torch.Tensor, dim: int, tp: TPGroup, sizes: Optional[tuple]) -> torch.Tensor:
@@ -331,7 +350,7 @@ _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "query", "key", "value",
 
 
 def check_divisible(plan: LayerPlan, module: nn.Module, tp: TPGroup, head_dim: Optional[int]) -> None:
-    dim = plan.split_dim()
+    dim = style_dim(plan, module)
     size = module.weight.shape[dim]
     for s in plan.shape or (size,):
         if s % tp.size:
@@ -352,16 +371,19 @@ def replicate_kv_module(module: nn.Module, plan: LayerPlan, tp: TPGroup, head_di
     key/value head this rank's query heads read (TP rank r: head ``r // (size // kv_heads)``)."""
     per_head = tp.size // kv_heads
     head = tp.rank // per_head
-    state = TPState(tp, dataclasses.replace(plan, style="kv_replicated"), out_narrow=(head * head_dim, head_dim))
-    object.__setattr__(module, "_mixprec_tp", state)
-    module.__class__ = _tp_class(type(module), _KVReplicatedLinear)
+    _install_hooks(module, TPState(tp, dataclasses.replace(plan, style="kv_replicated"),
+                                   out_narrow=(head * head_dim, head_dim)))
 
 
 def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[str, nn.Parameter, int]]:
-    """Replace ``module``'s weight (and bias where split) by this rank's slice and swap its
-    class; returns ``(attr, new parameter, split dim)`` for every parameter it split."""
-    mixin = _MIXINS[plan.style]
-    dim = plan.split_dim()
+    """Replace ``module``'s weight (and bias where split) by this rank's slice, its size
+    attributes by the local ones, and put the collectives around its own forward ([Note:
+    split modules keep their forward]); returns ``(attr, new parameter, split dim)`` for every
+    parameter it split."""
+    if tp_state(module) is not None:
+        raise PlanError(f"{plan.name}: this {type(module).__name__} is already split for tensor parallelism; "
+                        "prepare a model once (a module shared by two plan entries is split once)")
+    dim = style_dim(plan, module)
     out = []
     with torch.no_grad():
         w = module.weight
@@ -369,18 +391,28 @@ def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[
         module.weight = new_w
         out.append(("weight", new_w, dim))
         bias = getattr(module, "bias", None)
-        if isinstance(bias, torch.Tensor) and plan.style in ("column", "column_gather") and dim == 0:
+        if isinstance(bias, torch.Tensor) and plan.style in ("column", "column_gather") and \
+                dim == weight_dims(module)[0]:
             new_b = nn.Parameter(local_slice(bias.detach(), 0, tp, plan.shape).clone(), requires_grad=bias.requires_grad)
             module.bias = new_b
             out.append(("bias", new_b, 0))
     state = TPState(tp, plan)
     if plan.style == "vocab":
         state.vocab_start = tp.rank * module.weight.shape[0]
+        state.vocab_size = module.weight.shape[0]
         module.num_embeddings = module.weight.shape[0]
+        pad = module.padding_idx
+        # F.embedding masks the padding row's gradient by local index: the local position of
+        # the padding id, or none on the ranks that do not hold it.
+        if pad is not None:
+            pad = pad if pad >= 0 else pad + module.weight.shape[0] * tp.size
+            local = pad - state.vocab_start
+            module.padding_idx = local if 0 <= local < state.vocab_size else None
     elif plan.style == "embedding_col":
         module.embedding_dim = module.weight.shape[1]
+    elif is_conv1d(module):
+        module.nx, module.nf = module.weight.shape
     elif isinstance(module, nn.Linear):
         module.out_features, module.in_features = module.weight.shape
-    object.__setattr__(module, "_mixprec_tp", state)
-    module.__class__ = _tp_class(type(module), mixin)
+    _install_hooks(module, state)
     return out

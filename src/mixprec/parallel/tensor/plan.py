@@ -1,8 +1,9 @@
 """Which weights tensor parallelism splits, and how: the plan.
 
 [Note: plan resolution]
-For every ``nn.Linear`` and ``nn.Embedding`` of the model, the first of these that names it
-decides, in DeepSpeed AutoTP's order:
+For every ``nn.Linear``, transformers ``Conv1D`` (GPT-2's transposed Linear) and
+``nn.Embedding`` of the model, the first of these that names it decides, in DeepSpeed
+AutoTP's order:
 
 1. ``tensor_parallel.partition_config.layer_specs``: the first spec whose ``model_types``
    admits the model's ``config.model_type`` and one of whose ``patterns`` (regexes) is found
@@ -17,8 +18,11 @@ decides, in DeepSpeed AutoTP's order:
    column and a row candidate among its Linears, so that a row-split layer always reads a
    column-split one's output.
 
-Anything none of them names is replicated. A Hugging Face style mixprec does not implement
-is an error naming the module and the style, never a silent skip.
+Anything none of them names is replicated. What mixprec cannot apply is an error at
+``prepare()``, never a silent skip: a Hugging Face style it does not implement, a plan key
+naming a parameter or a module of another type, a layer spec that matches no module, and
+a ``tensor_parallel.size`` above 1 whose plan splits nothing (the error lists the sources
+tried).
 
 Styles (``LayerPlan.style``):
 - ``column``: weight ``[out, in]`` and bias split on ``out``; the input is replicated, the
@@ -47,6 +51,16 @@ from typing import Any, Optional
 from torch import nn
 
 from .presets import HEURISTICS, PRESETS
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """A Linear, a transformers Conv1D, or a peft LoRA layer around either."""
+    base = getattr(module, "base_layer", None)
+    return any(isinstance(m, nn.Linear) or _is_conv1d(m) for m in (module, base) if m is not None)
 
 # Hugging Face style -> mixprec style (and the module type it applies to).
 HF_STYLES: dict[str, tuple[str, type]] = {
@@ -248,18 +262,21 @@ def _resolve(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
     plans: dict[str, LayerPlan] = {}
 
     def weight_size(module: nn.Module, style: str, dim: Optional[int]) -> int:
-        w = getattr(module, "base_layer", module).weight  # a peft LoRA layer: its base Linear
-        d = dim if dim is not None else {"column": 0, "row": 1}.get(style, 0)
-        return w.shape[d]
+        m = getattr(module, "base_layer", module)  # a peft LoRA layer: its base Linear
+        out_dim, in_dim = (1, 0) if _is_conv1d(m) else (0, 1)  # Conv1D's weight is [in, out]
+        d = dim if dim is not None else {"column": out_dim, "row": in_dim}.get(style, 0)
+        return m.weight.shape[d]
+
+    used_specs: set = set()
 
     # 1. partition_config specs, 2. the HF plan (any module type it names), 3. the preset.
     for name, module in modules.items():
         if not name:
             continue
-        is_linear, is_embedding = isinstance(module, nn.Linear), isinstance(module, nn.Embedding)
-        is_linear = is_linear or isinstance(getattr(module, "base_layer", None), nn.Linear)  # peft LoRA
+        is_linear, is_embedding = _linear_like(module), isinstance(module, nn.Embedding)
         spec = next((s for s in specs if _spec_matches(s, name, model_type)), None)
         if spec is not None and (is_linear or is_embedding):
+            used_specs.add(id(spec))
             style = _SPEC_STYLES.get(_get(spec, "partition_type"))
             if style is None:
                 raise PlanError(f"{name}: partition_type {_get(spec, 'partition_type')!r}; use column, row or skip")
@@ -281,7 +298,9 @@ def _resolve(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
                     "tensor_parallel.partition_config layer spec (partition_type column, row or skip), or set "
                     "use_default_specs: false and write the plan as layer_specs")
             style, kind = HF_STYLES[hf_style]
-            if not isinstance(module, kind) and not isinstance(getattr(module, "base_layer", None), kind):
+            ok = _linear_like(module) if kind is nn.Linear else (
+                isinstance(module, kind) or isinstance(getattr(module, "base_layer", None), kind))
+            if not ok:
                 raise PlanError(f"{name}: the Hugging Face style {hf_style!r} applies to {kind.__name__}, but this "
                                 f"module is a {type(module).__name__}; override it with a partition_config layer spec")
             shape = None
@@ -296,11 +315,12 @@ def _resolve(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
             style = _SPEC_STYLES[rule[1]]
             shape = _shape_sizes(rule[2], weight_size(module, style, None), model, name) if style != "replicated" else None
             plans[name] = LayerPlan(name, style, f"preset:{preset_name}", shape)
+    _check_unused(specs, used_specs, hf, modules, dict(model.named_parameters()), model_type)
     # 4. heuristics, per parent with both a column and a row candidate.
     if use_defaults and not any(p.source in ("hf_plan",) or p.source.startswith("preset") for p in plans.values()):
         by_parent: dict[str, dict[str, str]] = {}
         for name, module in modules.items():
-            linear = isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)
+            linear = _linear_like(module)
             if not name or name in plans or not linear or ".lora_" in name or name.endswith(".base_layer"):
                 continue
             rule = next((t for p, t, _ in HEURISTICS if re.search(p, name)), None)
@@ -312,6 +332,50 @@ def _resolve(model: nn.Module, tp_config: Any) -> dict[str, LayerPlan]:
                     plans[name] = LayerPlan(name, style, "heuristic")
     plans = _expand_lora(plans, modules)
     for name, module in modules.items():
-        if name and name not in plans and isinstance(module, (nn.Linear, nn.Embedding)):
+        if name and name not in plans and (isinstance(module, (nn.Linear, nn.Embedding)) or _is_conv1d(module)):
             plans[name] = LayerPlan(name, "replicated", "default")
     return plans
+
+
+def _check_unused(specs: list, used: set, hf: list, modules: dict, params: dict, model_type: Optional[str]) -> None:
+    """A layer spec that matches no module, or a Hugging Face plan key that names a
+    parameter or matches nothing a style applies to, is an error (never a silent skip)."""
+    for i, spec in enumerate(specs):
+        types = tuple(_get(spec, "model_types", ()) or ())
+        if id(spec) in used or (types and model_type not in types):
+            continue
+        raise PlanError(
+            f"tensor_parallel.partition_config.layer_specs[{i}] (patterns {list(_get(spec, 'patterns', ()) or ())}) "
+            "matches no Linear, Conv1D or Embedding module of the model; module paths look like "
+            f"{[n for n, m in modules.items() if _linear_like(m)][:3]}: fix the pattern or remove the spec")
+    for key, rx, style in hf:
+        if any(rx.match(n) for n in modules if n):
+            continue
+        hit = next((n for n in params if rx.match(n)), None)
+        if hit is not None:
+            raise PlanError(
+                f"the model's Hugging Face tp_plan gives the parameter {hit!r} (key {key!r}) the style {style!r}: "
+                "mixprec splits modules (Linear, Conv1D, Embedding), not bare parameters such as fused MoE "
+                "experts. Give the model's modules a tensor_parallel.partition_config (partition_type column, row "
+                "or skip, use_default_specs: false), or train it without tensor parallelism")
+
+
+def nothing_split_message(model: nn.Module, tp_config: Any, size: int) -> str:
+    """The error for a ``tensor_parallel.size`` above 1 whose plan splits nothing."""
+    partition = _get(tp_config, "partition_config")
+    specs = list(_get(partition, "layer_specs", ()) or ())
+    use_defaults = bool(_get(partition, "use_default_specs", True))
+    model_type = _model_type(model)
+    tried = [f"partition_config.layer_specs: {len(specs)} spec(s)"]
+    if use_defaults:
+        tried.append("the Hugging Face tp_plan: " + ("none" if not hf_plan(model) else "keys matched no module"))
+        preset = _get(tp_config, "preset_model") or model_type
+        tried.append(f"preset: {'none for model_type ' + repr(model_type) if preset not in PRESETS else preset}")
+        tried.append("name heuristics: no module holding both a column Linear (q_proj, wq, fc1, w1, c_fc...) and a "
+                     "row Linear (o_proj, wo, fc2, w2...)")
+    else:
+        tried.append("use_default_specs: false (no Hugging Face plan, preset or heuristics)")
+    return (f"tensor_parallel.size={size}, but no module of {type(model).__name__} is split: tried "
+            + "; ".join(tried) + ". Every rank would do the whole work. Write a tensor_parallel.partition_config "
+            f"(layer_specs with patterns, partition_type column/row; presets: {sorted(PRESETS)}), or set "
+            "tensor_parallel.size: 1")

@@ -25,12 +25,6 @@ _MLP_OUT = (r"\.mlp\.down_proj$", "row", None)
 PRESETS: dict[str, list[tuple[str, str, object]]] = {
     "llama": [_ATTN_QKV, _ATTN_O, _MLP_IN, _MLP_OUT],
     "qwen2": [_ATTN_QKV, _ATTN_O, _MLP_IN, _MLP_OUT],
-    "phi3": [
-        (r"\.self_attn\.qkv_proj$", "column", ("q", "kv", "kv")),
-        (r"\.self_attn\.o_proj$", "row", None),
-        (r"\.mlp\.gate_up_proj$", "column", 2),
-        (r"\.mlp\.down_proj$", "row", None),
-    ],
     "mixtral": [
         _ATTN_QKV, _ATTN_O,
         (r"\.block_sparse_moe\.gate$", "skip", None),  # the router sees every expert
@@ -53,18 +47,21 @@ PRESETS: dict[str, list[tuple[str, str, object]]] = {
         (r"\.mlp\.dense_h_to_4h$", "column", None),
         (r"\.mlp\.dense_4h_to_h$", "row", None),
     ],
-    "chatglm": [
-        (r"\.self_attention\.query_key_value$", "column", ("q", "kv", "kv")),
-        (r"\.self_attention\.dense$", "row", None),
-        (r"\.mlp\.dense_h_to_4h$", "column", 2),
-        (r"\.mlp\.dense_4h_to_h$", "row", None),
+    # GPT-2's transformers Conv1D layers (weight [in, out]; split on out for column, in for row).
+    # c_attn is q, k and v of hidden_size each; the attention reads ``split_size`` (localised).
+    # The tied wte / lm_head stay whole.
+    "gpt2": [
+        (r"\.attn\.c_attn$", "column", 3),
+        (r"\.attn\.c_proj$", "row", None),
+        (r"\.mlp\.c_fc$", "column", None),
+        (r"\.mlp\.c_proj$", "row", None),
     ],
 }
 
 # Name heuristics, the last resort for a Linear no plan names (and only when
 # use_default_specs): the usual names of attention and MLP projections.
 HEURISTICS: list[tuple[str, str, object]] = [
-    (r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|gate_proj|up_proj|fc1|c_fc|w1|w3|fc_in|dense_h_to_4h)$",
-     "column", None),
-    (r"(^|\.)(o_proj|out_proj|down_proj|fc2|w2|fc_out|dense_4h_to_h)$", "row", None),
+    (r"(^|\.)(q_proj|k_proj|v_proj|query|key|value|wq|wk|wv|gate_proj|up_proj|fc1|w1|w3|fc_in|"
+     r"dense_h_to_4h)$", "column", None),
+    (r"(^|\.)(o_proj|out_proj|wo|down_proj|fc2|w2|fc_out|dense_4h_to_h)$", "row", None),
 ]

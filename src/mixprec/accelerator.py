@@ -626,7 +626,11 @@ class Accelerator(AccelerateApi):
             return scheduler
         inner = getattr(scheduler, "optimizer", None)
         optimizers = [o for o in self._optimizers if o.optimizer is inner or o is inner] or list(self._optimizers)
-        steps = 1 if self.scheduler_step_rule == "optimizer" or self.split_batches else self.num_processes
+        # Accelerate's rule advances by the processes that each read their own batch: the
+        # data-parallel size. TP/SP peers share one batch ([Note: the rank mesh] in
+        # parallel/mesh.py), so a mesh counts dp = world // (tp * sp), not num_processes.
+        batches_per_step = self.num_processes if self.mesh is None else self.mesh.dp_size
+        steps = 1 if self.scheduler_step_rule == "optimizer" or self.split_batches else batches_per_step
         prepared = PreparedScheduler(
             scheduler, optimizers, self.gradient_state, self.step_scheduler_with_optimizer,
             steps_per_optimizer_step=steps,

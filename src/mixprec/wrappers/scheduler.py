@@ -16,9 +16,17 @@ class PreparedScheduler:
     ``step()`` does nothing while accumulating or when the last step of any of the
     prepared optimizers was skipped for overflow, so the schedule follows real updates.
     A real step advances the wrapped scheduler ``steps_per_optimizer_step`` times
-    (Accelerate's rule: ``num_processes`` unless batches are split, see
-    ``Accelerator(scheduler_step_rule=)``); a scheduler with ``total_steps`` (OneCycleLR)
-    is not stepped past it.
+    (Accelerate's rule: one per batch read, i.e. the data-parallel size, unless batches are
+    split, see ``Accelerator(scheduler_step_rule=)``); a scheduler with ``total_steps``
+    (OneCycleLR) is not stepped past it.
+
+    [Note: the schedule counts data-parallel batches]
+    Accelerate advances a schedule ``num_processes`` times per optimizer step because every
+    process read its own batch: a schedule written in one process's batches then ends with
+    the epoch. Under tensor or sequence parallelism the ranks of a TP/SP group read the same
+    batch (the loader shards over ``mesh.dp_size`` parts, accelerator.py
+    ``prepare_data_loader``), so the count is ``mesh.dp_size = world // (tp * sp)``
+    (``Accelerator.prepare_scheduler``); ``accelerator.num_processes`` stays the process count.
     """
 
     def __init__(

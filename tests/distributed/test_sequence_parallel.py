@@ -314,6 +314,54 @@ def _errors(acc):
     return out
 
 
+def _unsliced():
+    """[Note: unsliced inputs under SP] in src/mixprec/parallel/sequence/ulysses.py: which
+    forwards are refused (the message, on this rank) and which run (None)."""
+    import torch
+
+    from mixprec import Accelerator
+
+    sp = {"sequence_parallel": {"size": 2}}
+    rank = torch.distributed.get_rank()
+
+    def message(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    ids = torch.arange(16).view(1, 16) * 3 % 64
+    out = {}
+    # prepare_sp_inputs never called on this Accelerator: the first forward gathers the queries.
+    acc = Accelerator(cpu=True, log_policy=False, backend="ddp", config=sp)
+    model = acc.prepare(_model())
+    out["never_called"] = message(lambda: model(input_ids=ids, labels=ids))
+    out["never_called_again"] = message(lambda: model(input_ids=ids))  # still the first forward
+    # Sliced by hand (no prepare_sp_inputs): the slices differ, it runs.
+    mine = slice(8 * rank, 8 * rank + 8)
+    out["by_hand"] = message(lambda: model(input_ids=ids[:, mine], position_ids=torch.arange(16)[None, mine]))
+    # A padding mask the model builds from its slice (rank 0's slice is padded, rank 1's not,
+    # so HF makes a mask on rank 0 only): refused on both ranks at the first forward.
+    pad = torch.ones(1, 16, dtype=torch.long)
+    pad[0, :3] = 0
+    fresh = acc.prepare(_model())
+    out["local_mask"] = message(lambda: fresh(input_ids=ids[:, mine], attention_mask=pad[:, mine]))
+    # The batch was prepared, the model given the whole sequence: the length rule, at the first
+    # forward and at any later one.
+    batch = acc.prepare_sp_inputs(input_ids=ids, labels=ids)
+    out["prepared_first"] = message(lambda: acc.prepare(_model())(input_ids=ids, labels=ids))
+    out["prepared_sliced"] = message(lambda: model(**batch))
+    out["prepared_later"] = message(lambda: model(input_ids=ids, labels=ids))
+    # Sliced batches whose slices are equal on both ranks (a constant sequence of packed
+    # documents whose positions restart at the border), called with **batch or input_ids only.
+    const = acc.prepare_sp_inputs(input_ids=torch.full((1, 16), 5), labels=torch.full((1, 16), 5),
+                                  position_ids=torch.arange(8).repeat(2)[None])
+    out["equal_slices"] = message(lambda: acc.prepare(_model())(**const))
+    out["equal_slices_ids_only"] = message(lambda: acc.prepare(_model())(input_ids=const["input_ids"]))
+    return out
+
+
 def _checkpointing():
     """SP=2 with a padding mask, decoder layers checkpointed whole or selectively, against no
     checkpointing: (bitwise-equal gradients, loss) and, during backward, how many attention
@@ -435,6 +483,13 @@ def _guards(state, save_dir):
     mask[0, SEQ - 100:] = 0
     padded = labels.masked_fill(mask == 0, -100)
     out["padding"] = _grads_vs_reference(acc, _model, ids, padded, attention_mask=mask)
+    # Left padding, labels -100 on the padding: the last padding token's query sees no key and
+    # predicts the first real token; sequence 1's padding covers rank 0's whole slice.
+    mask = torch.ones_like(ids)
+    mask[0, :100] = 0
+    mask[1, :SEQ // 2 + 44] = 0
+    out["left_padding"] = _grads_vs_reference(acc, _model, ids, labels.masked_fill(mask == 0, -100),
+                                              attention_mask=mask)
     # torch.compile of the prepared model: the same loss (Dynamo traces through the mode).
     model = acc.prepare(_model())
     batch = acc.prepare_sp_inputs(input_ids=ids, labels=labels)
@@ -443,6 +498,7 @@ def _guards(state, save_dir):
     out["compile"] = (eager, compiled)
     out["errors"] = _errors(acc)
     out["checkpointing"] = _checkpointing()
+    out["unsliced"] = _unsliced()
     return out
 
 
@@ -453,7 +509,11 @@ def test_sp_overflow_checkpoint_masks_errors_and_compile(tmp_path):
     loss (``sp_loss``), GQA with fewer key/value heads than ranks, and an HF model with a
     padding mask give one process's gradients (1e-5 relative, fp32); layouts that do not
     divide and attention without SDPA are refused naming the numbers / the module;
-    ``torch.compile`` gives the eager loss."""
+    ``torch.compile`` gives the eager loss. Left padding (a query that sees no key, a slice
+    of padding only) gives one process's loss and gradients. A forward given the unsliced
+    sequence is refused naming ``prepare_sp_inputs`` (never called: at the first forward,
+    on both ranks; called: at any forward), as is a padding mask the model built from its
+    slice; sliced batches run, by hand or with equal slices."""
     pytest.importorskip("transformers")
     results = run_distributed(_guards, 2, args=(str(tmp_path / "ckpt"),), timeout=600)
     for r in results:
@@ -467,7 +527,7 @@ def test_sp_overflow_checkpoint_masks_errors_and_compile(tmp_path):
         assert "'model.layers.0.self_attn.q_proj.weight'" in r["outside"] \
             and "gathered_parameters" in r["outside"], r["outside"]
         assert abs(r["gathered_norm"] - r["full_norm"]) <= 1e-6 * r["full_norm"], (r["gathered_norm"], r["full_norm"])
-        for case in ("plain", "mqa", "padding"):
+        for case in ("plain", "mqa", "padding", "left_padding"):
             loss_err, grad_err = r[case]
             assert loss_err <= 1e-6 and grad_err <= 1e-5, (case, r[case])
         eager, compiled = r["compile"]
@@ -493,4 +553,16 @@ def test_sp_overflow_checkpoint_masks_errors_and_compile(tmp_path):
             assert none[:2] == (0, 4 * layers), none  # q, k, v and output all-to-alls' backward
             assert whole[:2] == (layers, 8 * layers), whole  # + the forward's, recomputed
             assert selective[:2] == (0, 4 * layers), selective
+        u = r["unsliced"]
+        for case in ("never_called", "never_called_again"):
+            assert "every rank's queries are the same" in u[case] and "prepare_sp_inputs was never called" \
+                in u[case] and "accelerator.prepare_sp_inputs(input_ids=" in u[case], (case, u[case])
+        for case in ("prepared_first", "prepared_later"):
+            assert "attention runs over 16 tokens on each of the sequence_parallel.size=2 ranks, the whole length " \
+                "of the batch accelerator.prepare_sp_inputs last sliced" in u[case] \
+                and "model(**batch)" in u[case], (case, u[case])
+        assert "causal mask with padding" in u["local_mask"] and "prepare_sp_inputs(input_ids=..., attention_mask" \
+            in u["local_mask"], u["local_mask"]
+        for case in ("by_hand", "prepared_sliced", "equal_slices", "equal_slices_ids_only"):
+            assert u[case] is None, (case, u[case])
     assert results[0]["fp16"][1] == results[1]["fp16"][1]

@@ -54,6 +54,7 @@ def prepare_inputs(ulysses: Optional[Ulysses], input_ids: torch.Tensor, labels: 
     if ulysses is not None:
         ulysses.whole_padding = whole_padding
         ulysses.local_length = batch["input_ids"].shape[seq_dim]
+        ulysses.whole_length = input_ids.shape[seq_dim]  # [Note: unsliced inputs under SP] in ulysses.py
     return batch
 
 

@@ -18,7 +18,12 @@ in wrappers/model.py) sees every call of ``torch.nn.functional.scaled_dot_produc
    its GQA path by whether a mask exists, which would differ between the ranks and so the
    all-to-all sizes): the whole sequence's causal-and-padding mask (or padding-only for
    ``is_causal=False``) is applied here. A mask the model passes itself is accepted only
-   when causal and is then replaced by that whole one;
+   when causal and is then replaced by that whole one (a local mask with padding in it and
+   no padding given to ``prepare_sp_inputs`` is refused: it cannot be made whole). A query
+   that sees no key (the last left-padding token under a causal mask) keeps its all-False
+   row, exactly what HF hands SDPA on one process (transformers' ``sdpa_mask`` adds no fix
+   for such rows), so SDPA returns the same output (0 for such a row since torch 2.5) and
+   the target that query predicts, the first real token, gets one process's loss;
 3. the output ``[B, H/P, S, D] -> [B, H, S/P, D]`` by the inverse all-to-all.
 
 [Note: Ulysses under torch.compile]
@@ -30,6 +35,27 @@ of ``F.scaled_dot_product_attention`` would be taken for the model's own and exc
 second time (wrong values, no error; found by the compiled-forward test). The inner call is
 therefore the aten op ``aten.scaled_dot_product_attention``, which the handler passes
 through; aot/inductor backends see aten ops in any case.
+
+[Note: unsliced inputs under SP]
+A forward given the whole sequence on every SP rank (``prepare_sp_inputs`` forgotten)
+would run without error: the all-to-all takes each rank's copy for a slice and attends over
+P copies of the sequence, a different loss. Two checks make it an error naming
+``prepare_sp_inputs``, raised on every rank of the group alike (no rank is left waiting in
+an all-to-all):
+
+- the length rule, every SDPA call, no communication: ``prepare_sp_inputs`` records the
+  whole length ``S`` of the batch it sliced; attention over ``S`` tokens on one rank is that
+  batch unsliced. It holds whatever the model is given (``**batch``, only ``input_ids``,
+  embeddings), and a sliced batch never meets it (its attention sees ``S/P``), whatever its
+  contents: constant tokens, or packed documents whose positions repeat across slices;
+- the first forward of each prepared model also gathers, over the SP group, each rank's
+  query length, recorded length and a fingerprint of the first attention's queries (one
+  ``all_gather`` of 5 numbers). With nothing recorded on any rank (inputs sliced by hand,
+  or not at all), equal queries on every rank are the same sequence: refused. Ranks that
+  disagree about what was recorded (one called ``prepare_sp_inputs``, another not) are
+  refused too. Inputs sliced by hand pass (different tokens give different queries); a
+  recorded batch is judged by the length rule alone, so a sliced batch whose slices
+  happen to be equal is never refused.
 
 GQA: key/value heads are split like query heads when the SP size divides their count; with
 fewer (or a count P does not divide) each is repeated to ``lcm(KVH, P)`` heads first
@@ -77,6 +103,20 @@ def _all_to_all(x: torch.Tensor, group: Any, size: int, to_heads: bool) -> torch
     return recv.transpose(0, 1).reshape(b, size * h, s // size, d)  # recv[i]: head group i
 
 
+_LOCAL_PADDING = (
+    "scaled_dot_product_attention got a causal mask with padding (shape {}) under sequence parallelism: a mask "
+    "the model builds from its slice cannot be made whole. Pass the padding attention_mask to "
+    "accelerator.prepare_sp_inputs(input_ids=..., attention_mask=...) and call the model with the batch it returns "
+    "(it hands the model no mask)")
+
+
+def _has_padding(local: torch.Tensor) -> bool:
+    """Whether a boolean mask hides a key that the causal pattern shows (padding)."""
+    s = local.shape[-1]
+    below = torch.ones(local.shape[-2], s, dtype=torch.bool, device=local.device).tril()
+    return bool(below.logical_and(local.logical_not()).any())
+
+
 def _whole_mask(local: Optional[torch.Tensor], is_causal: bool, whole_padding: Optional[torch.Tensor],
                 length: int, batch: int, device: torch.device) -> tuple[Optional[torch.Tensor], bool]:
     """(the whole sequence's mask: causal or not, and padding; is_causal): the mask is None
@@ -90,6 +130,8 @@ def _whole_mask(local: Optional[torch.Tensor], is_causal: bool, whole_padding: O
                 "not a boolean causal mask, under sequence parallelism: only causal or full attention over the "
                 "whole sequence is supported (is_causal, plus the padding attention_mask given to "
                 "prepare_sp_inputs)")
+        if whole_padding is None and _has_padding(local):
+            raise ValueError(_LOCAL_PADDING.format(tuple(local.shape)))
         is_causal = True
     if whole_padding is None:
         return None, is_causal
@@ -100,9 +142,9 @@ def _whole_mask(local: Optional[torch.Tensor], is_causal: bool, whole_padding: O
     mask = whole_padding.to(device)[:, None, None, :].expand(batch, 1, length, length)
     if is_causal:
         mask = mask & torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    # A query that sees no key (left padding) attends to itself: SDPA would return nan there.
-    alone = ~mask.any(-1, keepdim=True)
-    return mask | (alone & torch.eye(length, dtype=torch.bool, device=device)), False
+    # A query that sees no key keeps its all-False row, as on one process ([Note: Ulysses
+    # around SDPA], 2.).
+    return mask, False
 
 
 class Ulysses:
@@ -114,7 +156,57 @@ class Ulysses:
         self.rank = rank
         self.whole_padding: Optional[torch.Tensor] = None  # [B, S] bool, from prepare_sp_inputs
         self.local_length: Optional[int] = None  # S/P of the batch last prepared
+        self.whole_length: Optional[int] = None  # S of the batch last prepared
         self.calls = 0  # SDPA calls run as Ulysses (the first-forward check counts them)
+
+    def _unsliced(self, length: int) -> str:
+        return (f"this forward's attention runs over {length} tokens on each of the sequence_parallel.size="
+                f"{self.size} ranks")
+
+    _FIX = ("under sequence parallelism every rank of an SP group must get its slice of the sequence: "
+            "batch = accelerator.prepare_sp_inputs(input_ids=..., labels=..., attention_mask=...), then "
+            "model(**batch) (or sequence_parallel.prepare_batches: true for a prepared DataLoader)")
+
+    def check_sliced(self, query: torch.Tensor) -> None:
+        """The length rule of [Note: unsliced inputs under SP] (every SDPA call)."""
+        length = query.shape[-2]
+        if self.whole_length is not None and length == self.whole_length:
+            raise ValueError(
+                f"{self._unsliced(length)}, the whole length of the batch accelerator.prepare_sp_inputs last sliced "
+                f"({self.local_length} per rank): the model was given the unsliced sequence; {self._FIX}")
+
+    def check_sliced_across(self, query: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> None:
+        """The first forward's check of [Note: unsliced inputs under SP]: one all_gather on
+        the SP group, the same verdict on every rank. A mask with padding that the model
+        built from its slice is refused here too, on every rank (HF builds one only on the
+        ranks whose slice holds padding)."""
+        q = query.detach().to(torch.float64)
+        padded = (attn_mask is not None and attn_mask.dtype == torch.bool and self.whole_padding is None
+                  and _has_padding(attn_mask))
+        where = torch.arange(1, q.shape[-2] + 1, dtype=torch.float64, device=q.device).view(-1, 1)
+        mine = torch.stack([q.new_tensor(float(q.shape[-2])), q.new_tensor(float(self.whole_length or 0)),
+                            q.sum(), (q * q).sum(), (q * where).sum(), q.new_tensor(float(padded))])
+        rows = funcol.wait_tensor(_ALL_GATHER(mine, 0, self.group)).view(self.size, 6).tolist()
+        if any(r[5] for r in rows):
+            raise ValueError(_LOCAL_PADDING.format(
+                tuple(attn_mask.shape) if padded else "on another rank of this SP group"))
+        rows = [r[:5] for r in rows]
+        recorded = {int(r[1]) for r in rows}
+        if any(int(r[1]) == int(r[0]) for r in rows):
+            raise ValueError(
+                f"{self._unsliced(int(rows[0][0]))}, the whole length of the batch accelerator.prepare_sp_inputs last "
+                f"sliced: the model was given the unsliced sequence; {self._FIX}")
+        if len(recorded) > 1:
+            raise ValueError(
+                "the ranks of this SP group disagree about the batch accelerator.prepare_sp_inputs sliced (whole "
+                f"lengths {[int(r[1]) for r in rows]} by rank, 0: never called): every rank of the group must call it "
+                f"with the same whole batch before each forward; {self._FIX}")
+        first = torch.tensor(rows[0], dtype=torch.float64)
+        if recorded == {0} and all(torch.allclose(torch.tensor(r, dtype=torch.float64), first, rtol=1e-6, atol=0.0)
+                                   for r in rows[1:]):
+            raise ValueError(
+                f"{self._unsliced(int(rows[0][0]))} and every rank's queries are the same: each rank was given the "
+                f"same whole sequence, and accelerator.prepare_sp_inputs was never called; {self._FIX}")
 
     def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                   enable_gqa=False):
@@ -139,6 +231,7 @@ class Ulysses:
                     f"heads to {kv_heads * rep} for sequence_parallel.size={p} does not divide the query heads; "
                     f"use a sequence_parallel.size that divides {kv_heads}")
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        self.check_sliced(query)
         length = query.shape[-2] * p
         if attn_mask is not None or self.whole_padding is not None:
             attn_mask, is_causal = _whole_mask(attn_mask, is_causal, self.whole_padding, length, query.shape[0],
@@ -150,6 +243,8 @@ class Ulysses:
         return _all_to_all(out, self.group, p, False)
 
 
+# all_gather_tensor is deprecated for all_gather_single in newer torch (same arguments).
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _SDPA = F.scaled_dot_product_attention
 _ATEN_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax}
@@ -170,6 +265,10 @@ class _UlyssesMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
+            if self.watch is not None and not self.watch.sliced_checked:
+                self.watch.sliced_checked = True  # the first attention of the first forward
+                self.ulysses.check_sliced_across(args[0] if args else kwargs["query"],
+                                                 args[3] if len(args) > 3 else kwargs.get("attn_mask"))
             return self.ulysses.attention(*args, **kwargs)
         if self.watch is not None and func in _SOFTMAX:
             self.watch.softmax(args[0] if args else kwargs.get("input"))
@@ -197,6 +296,7 @@ class _FirstForwardWatch:
             self.handles.append(module.register_forward_pre_hook(self._enter(name, is_attention)))
             self.handles.append(module.register_forward_hook(self._leave(is_attention), always_call=True))
         self.counts: list[int] = []
+        self.sliced_checked = False  # [Note: unsliced inputs under SP], the gathered check
 
     def _enter(self, name: str, is_attention: bool) -> Callable:
         def hook(module, args):

@@ -50,8 +50,9 @@ an all-to-all):
   contents: constant tokens, or packed documents whose positions repeat across slices;
 - the first forward of each prepared model also gathers, over the SP group, each rank's
   query length, recorded length and a fingerprint of the first attention's queries (one
-  ``all_gather`` of 5 numbers). With nothing recorded on any rank (inputs sliced by hand,
-  or not at all), equal queries on every rank are the same sequence: refused. Ranks that
+  ``all_gather`` of 6 numbers, the last for the padding check of 2.). With nothing recorded
+  on any rank (inputs sliced by hand, or not at all), equal queries on every rank are the
+  same sequence: refused. Ranks that
   disagree about what was recorded (one called ``prepare_sp_inputs``, another not) are
   refused too. Inputs sliced by hand pass (different tokens give different queries); a
   recorded batch is judged by the length rule alone, so a sliced batch whose slices

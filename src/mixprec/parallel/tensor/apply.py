@@ -124,6 +124,7 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                     f"key/value head. Use a tensor_parallel.size that divides {kv} or is a multiple of it")
             continue
         check_divisible(plan, modules[name], tp, head_dim)
+    _refuse_per_head_params(model, plans, modules)
     names_of: dict[int, list[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(pname)
@@ -176,6 +177,7 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     for p in model.parameters():
         if id(p) in layout.grad_allreduce_ids and p.requires_grad:
             p.register_hook(_grad_allreduce_hook(tp))
+    _install_replica_checks(model, layout, tp)
     _sync_rng(tp)
     _install_input_check(model, tp)
     object.__setattr__(model, "_mixprec_tp_layout", layout)
@@ -193,6 +195,30 @@ def _column_parents(model: nn.Module, plans: dict[str, LayerPlan], styles: tuple
         if any(plans.get(c) is not None and plans[c].style in styles for c in children):
             out.append(module)
     return out
+
+
+def _refuse_per_head_params(model: nn.Module, plans: dict[str, LayerPlan], modules: dict) -> None:
+    """A module whose heads or features the split divides among the ranks (a parent of
+    column-split layers) but which holds its own parameter per head or per feature (Doge's
+    ``A`` per key/value head) would combine a whole tensor with this rank's part: refused at
+    prepare(), naming it ([Note: split modules keep their forward] in layers.py)."""
+    config = getattr(model, "config", None)
+    counts = {getattr(config, k, None) for k in ("num_attention_heads", "num_key_value_heads")} - {None}
+    for pname, parent in modules.items():
+        children = {f"{pname}.{c}" if pname else c: m for c, m in parent.named_children()}
+        split_sizes = {m.weight.shape[style_dim(plans[c], m)] for c, m in children.items()
+                       if plans.get(c) is not None and plans[c].style == "column"}
+        if not split_sizes:
+            continue
+        for n, t in parent.named_parameters(recurse=False):
+            hit = set(t.shape) & (split_sizes | {c for c in counts if isinstance(c, int) and c > 1})
+            if hit:
+                raise PlanError(
+                    f"{pname}.{n}: this {type(parent).__name__} holds a parameter of shape {tuple(t.shape)}, sized like "
+                    f"its heads or split features ({sorted(hit)}), which tensor parallelism divides among the ranks; "
+                    "its forward would combine the whole parameter with this rank's part. Give its projections "
+                    "partition_type: skip in tensor_parallel.partition_config.layer_specs, or train this model "
+                    "without tensor parallelism")
 
 
 def _kv_replicated(name: str, plan: LayerPlan, kv: Optional[int], tp: TPGroup) -> bool:
@@ -270,11 +296,101 @@ def _install_split_rng(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGrou
         module.register_forward_hook(post, always_call=True)
 
 
+# [Note: replicated parameters on split activations]
+# A parameter the plan leaves whole (replicated) gets the same gradient on every TP rank when
+# it computes on replicated activations (a norm before a column layer: [Note: TP collectives
+# and their autograd rules] in layers.py). One that computes on split activations, between a
+# column and a row layer (Apertus's learnable XIELU activation, a per-head q/k norm no plan
+# names), gets on each rank only its heads' or features' part: the whole gradient is their
+# sum, and training with one rank's part is silently wrong. Which is which cannot be read off
+# the module tree (a peft LoRA's replicated lora_A runs inside a split region on the
+# replicated input), so it is measured: until a replicated parameter has had a non-zero
+# gradient, a hook compares its gradient's (sum, sum of squares) over the TP group (one
+# all-gather of two numbers per parameter, in the first backward, as the gradient arrives).
+# Equal on every rank: replicated, decided, the hook is dropped at the next forward. Different:
+# the gradient is summed over the TP group from then on, this backward included, as the
+# Hugging Face style ``replicated_with_grad_allreduce`` does (a one-line notice names them).
+# Gradients agree bitwise across TP ranks on replicated activations (the same inputs, the
+# same all-reduced values); the comparison allows 1e-5 relative for kernels that do not.
+_REPLICA_RTOL = 1e-5
+
+
+class _ReplicaCheck:
+    def __init__(self, model: nn.Module, layout: TPLayout, tp: TPGroup, names: dict) -> None:
+        self.layout, self.tp, self.names = layout, tp, names
+        self.handles: dict[int, Any] = {}
+        self.decided: list[int] = []  # hooks to drop at the next forward (not inside backward)
+        self.partial: list[str] = []
+        self.forward_handle = model.register_forward_pre_hook(self._drop_decided)
+
+    def hook_for(self, p: torch.Tensor):
+        key = id(p)
+
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            if key in self.layout.grad_allreduce_ids:  # decided partial earlier in this backward
+                return _sum_over_tp(g, self.tp)
+            if key in self.decided:
+                return g
+            gd = g.detach().double()
+            mine = torch.stack([gd.sum(), gd.square().sum()]).to(_group_device(self.tp.group))
+            parts = [torch.empty_like(mine) for _ in range(self.tp.size)]
+            dist.all_gather(parts, mine, group=self.tp.group)
+            rows = torch.stack(parts).cpu()
+            if not bool(rows[:, 1].gt(0).any()):
+                return g  # zero everywhere: undecided, asked again next backward
+            self.decided.append(key)
+            ref = rows[0]
+            same = bool(((rows - ref).abs() <= _REPLICA_RTOL * ref.abs().clamp_min(1e-300)).all())
+            if same:
+                return g
+            self.layout.grad_allreduce_ids.add(key)
+            self.partial.append(self.names.get(key, "?"))
+            if self.tp.rank == 0 and len(self.partial) == 1:
+                import sys
+
+                print("mixprec: tensor parallelism: replicated parameters that compute on split activations "
+                      f"(first: {self.partial[0]}) get their gradients summed over the TP group ([Note: "
+                      "replicated parameters on split activations] in parallel/tensor/apply.py)",
+                      file=sys.stderr, flush=True)
+            return _sum_over_tp(g, self.tp)
+
+        return hook
+
+    def _drop_decided(self, module, args) -> None:
+        for key in self.decided:
+            handle = self.handles.pop(key, None)
+            if handle is not None and key not in self.layout.grad_allreduce_ids:
+                handle.remove()
+        self.decided = [k for k in self.decided if k in self.handles]
+        if not self.handles or all(k in self.layout.grad_allreduce_ids for k in self.handles):
+            self.forward_handle.remove()
+
+
+def _install_replica_checks(model: nn.Module, layout: TPLayout, tp: TPGroup) -> None:
+    """[Note: replicated parameters on split activations]."""
+    if tp.size == 1:
+        return
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    checks = _ReplicaCheck(model, layout, tp, names)
+    for p in model.parameters():
+        key = id(p)
+        if not p.requires_grad or key in layout.split_ids or key in layout.grad_allreduce_ids or key in checks.handles:
+            continue
+        checks.handles[key] = p.register_hook(checks.hook_for(p))
+    object.__setattr__(model, "_mixprec_tp_replica_checks", checks)
+
+
+def _sum_over_tp(g: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    g = g.clone()
+    dist.all_reduce(g, group=tp.group)
+    return g
+
+
 def _grad_allreduce_hook(tp: TPGroup):
     def hook(g: torch.Tensor) -> torch.Tensor:
-        g = g.clone()
-        dist.all_reduce(g, group=tp.group)
-        return g
+        return _sum_over_tp(g, tp)
     return hook
 
 

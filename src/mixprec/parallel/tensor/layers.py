@@ -375,6 +375,23 @@ def replicate_kv_module(module: nn.Module, plan: LayerPlan, tp: TPGroup, head_di
                                    out_narrow=(head * head_dim, head_dim)))
 
 
+def _refuse_extra_tensors(module: nn.Module, plan: LayerPlan, dim: int) -> None:
+    """A module whose own forward also reads a tensor sized like the split dimension (Dory's
+    lm_head: a ``logit_scale`` per vocabulary entry) would meet a local slice with a whole
+    tensor: refused, naming it, rather than guessed ([Note: split modules keep their forward])."""
+    size = module.weight.shape[dim]
+    own = [(n, t) for n, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+           if n not in ("weight", "bias") and isinstance(t, torch.Tensor) and size in tuple(t.shape)]
+    if own:
+        names = ", ".join(f"{n} {tuple(t.shape)}" for n, t in own)
+        raise PlanError(
+            f"{plan.name}: this {type(module).__name__} holds {names} besides its weight, sized like the dimension "
+            f"{dim} ({size}) that the {plan.style} split divides; its own forward would combine them with this "
+            "rank's slice. mixprec does not split such a module: give it partition_type: skip in "
+            "tensor_parallel.partition_config.layer_specs (kept whole on every rank), or train without tensor "
+            "parallelism")
+
+
 def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[str, nn.Parameter, int]]:
     """Replace ``module``'s weight (and bias where split) by this rank's slice, its size
     attributes by the local ones, and put the collectives around its own forward ([Note:
@@ -384,6 +401,7 @@ def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[
         raise PlanError(f"{plan.name}: this {type(module).__name__} is already split for tensor parallelism; "
                         "prepare a model once (a module shared by two plan entries is split once)")
     dim = style_dim(plan, module)
+    _refuse_extra_tensors(module, plan, dim)
     out = []
     with torch.no_grad():
         w = module.weight
@@ -397,10 +415,14 @@ def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[
             module.bias = new_b
             out.append(("bias", new_b, 0))
     state = TPState(tp, plan)
+    # Size attributes say what the code around the module sees: local where its output (a
+    # column split) or its input (a row split) stays split, whole where the hooks make it
+    # whole again (a gathered output, a vocab split's summed lookups, a row_split_input's
+    # whole input): HF reads ``lm_head.out_features`` as the vocabulary size. Conv1D's own
+    # forward shapes its output by ``nf``, so its sizes are the local weight's.
     if plan.style == "vocab":
         state.vocab_start = tp.rank * module.weight.shape[0]
         state.vocab_size = module.weight.shape[0]
-        module.num_embeddings = module.weight.shape[0]
         pad = module.padding_idx
         # F.embedding masks the padding row's gradient by local index: the local position of
         # the padding id, or none on the ranks that do not hold it.
@@ -408,11 +430,13 @@ def split_module(module: nn.Module, plan: LayerPlan, tp: TPGroup) -> list[tuple[
             pad = pad if pad >= 0 else pad + module.weight.shape[0] * tp.size
             local = pad - state.vocab_start
             module.padding_idx = local if 0 <= local < state.vocab_size else None
-    elif plan.style == "embedding_col":
-        module.embedding_dim = module.weight.shape[1]
     elif is_conv1d(module):
         module.nx, module.nf = module.weight.shape
     elif isinstance(module, nn.Linear):
-        module.out_features, module.in_features = module.weight.shape
+        out_features, in_features = module.weight.shape
+        if plan.style == "column":
+            module.out_features = out_features
+        elif plan.style == "row":
+            module.in_features = in_features
     _install_hooks(module, state)
     return out

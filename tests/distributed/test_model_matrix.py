@@ -1,0 +1,317 @@
+"""The model matrix (issue #35): tensor and sequence parallelism on every causal-LM type users
+bring, each right or refused at ``prepare()``.
+
+Every ``model_type`` of the installed transformers whose config has a ``base_model_tp_plan``,
+the types a preset names (GPT-2's Conv1D layers), and a plain user module whose layers
+are named ``wq``/``wk``/``wv``/``wo``/``w1``/``w2``/``w3``, each built tiny
+(tests/distributed/tiny_models.py). For each, on 2 processes (ddp, fp32), TP=2 and SP=2 train
+the same 2 AdamW steps (clip 1.0) as one plain PyTorch process on the same batch, and either
+
+- match: no farther from the same training in float64 than the one-process fp32 run is
+  (whole model 2x, worst tensor 3x: [Note: the fp32 bound, from float64] in
+  tests/distributed/test_tensor_parallel.py), and TP split at least one weight; or
+- are refused at ``prepare()`` with a PlanError / NotImplementedError naming the module or the
+  model (fused MoE experts, MLA's special styles, a non-SDPA attention under SP...).
+
+Anything else (an error in forward, a result farther than the bound) fails the test. The
+types whose tiny config could not be built generically are listed apart (``not built``).
+One pass of the warm ranks runs every case.
+"""
+
+import pytest
+
+from harness import run_distributed
+
+STEPS = 2
+SEQ = 16
+
+
+def _batch(step: int):
+    import torch
+
+    from tiny_models import VOCAB
+
+    return torch.randint(3, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _user_model():
+    """A hand-written decoder with unusual layer names (split by the name heuristics)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self, d=32, n_heads=4):
+            super().__init__()
+            self.n_heads, self.hd = n_heads, d // n_heads
+            self.wq, self.wk, self.wv = (nn.Linear(d, d, bias=False) for _ in range(3))
+            self.wo = nn.Linear(d, d, bias=True)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = (w(x).view(b, s, self.n_heads, self.hd).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+    class FeedForward(nn.Module):
+        def __init__(self, d=32, h=64):
+            super().__init__()
+            self.w1, self.w3, self.w2 = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False), nn.Linear(h, d)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = nn.LayerNorm(32), nn.LayerNorm(32)
+            self.attn, self.ff = Attention(), FeedForward()
+
+        def forward(self, x):
+            x = x + self.attn(self.n1(x))
+            return x + self.ff(self.n2(x))
+
+    class TinyDecoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(64, 32)
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+            self.out = nn.Linear(32, 64, bias=False)
+
+        def forward(self, input_ids, labels=None, position_ids=None, shift_labels=None, num_items_in_batch=None):
+            x = self.tok(input_ids)
+            for blk in self.blocks:
+                x = blk(x)
+            logits = self.out(x).float()
+            if shift_labels is None:
+                shift_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], 1)
+            total = F.cross_entropy(logits.reshape(-1, 64), shift_labels.reshape(-1), ignore_index=-100,
+                                    reduction="sum")
+            n = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum()
+            return type("Out", (), {"loss": total / n})()
+
+    torch.manual_seed(0)
+    return TinyDecoder()
+
+
+def _ksplit_class():
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class KSplit(TorchFunctionMode):
+        """Every ``F.linear`` with even feature counts computed in four blocks: each half of
+        the output features as the sum of the products of the two halves of the input
+        features. Forward sums in the order of a 2-way split of the input features, backward
+        sums the input's gradient over the two halves of the output features."""
+
+        def __init__(self, blocks: bool):
+            super().__init__()
+            self.blocks = blocks  # False: only the input features split (forward order only)
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.linear:
+                x, w = args[0], args[1]
+                b = args[2] if len(args) > 2 else kwargs.get("bias")
+                n, k = w.shape
+                if k % 2 == 0 and n % 2 == 0:
+                    h, m = k // 2, (n // 2 if self.blocks else n)
+                    if not self.blocks:
+                        y = F.linear(x[..., :h], w[:, :h]) + F.linear(x[..., h:], w[:, h:])
+                        return y if b is None else y + b
+                    y = torch.cat([F.linear(x[..., :h], w[r:r + m, :h]) + F.linear(x[..., h:], w[r:r + m, h:])
+                                   for r in range(0, n, m)], dim=-1)
+                    return y if b is None else y + b
+            return func(*args, **kwargs)
+
+    return KSplit
+
+
+def _KSplit(blocks: bool):
+    return _ksplit_class()(blocks)
+
+
+def _build(kind: str):
+    from tiny_models import build
+
+    return _user_model() if kind == "user_module" else build(kind)
+
+
+def _reference(kind: str, variant: str) -> dict:
+    """The plain PyTorch training in one process: ``f64`` in float64; ``f32`` in fp32; ``micro``
+    (two micro-batches), ``flip`` (the batch's rows in the other order), ``ksplit`` (every
+    ``F.linear`` summed as two halves of its input features) and ``blocks`` (the same, each
+    half of the output features apart): fp32 with the same arithmetic
+    summed in another order, the spread of one fp32 process ([Note: the matrix's bound])."""
+    import contextlib
+
+    import torch
+
+    model = _build(kind)
+    if variant == "f64":
+        model = model.double()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(STEPS):
+        ids = _batch(step)
+        if variant == "micro":
+            for half in (ids[:2], ids[2:]):  # equal token counts: the mean of the halves' means
+                (model(input_ids=half, labels=half).loss / 2).backward()
+        else:
+            ids = ids.flip(0) if variant == "flip" else ids
+            split = variant in ("ksplit", "blocks")
+            with _KSplit(variant == "blocks") if split else contextlib.nullcontext():
+                model(input_ids=ids, labels=ids).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _parallel(kind: str, mode: str) -> tuple:
+    """(state dict gathered whole, names of split parameters) of a TP=2 or SP=2 run."""
+    import torch
+
+    from mixprec import Accelerator
+
+    key = "tensor_parallel" if mode == "tp" else "sequence_parallel"
+    acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend="ddp", config={key: {"size": 2}})
+    model = _build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        model, opt = acc.prepare(model, opt)
+    except Exception as e:  # noqa: BLE001 - classified by the caller
+        e.during_prepare = True
+        raise
+    split = sorted(acc.tp_plan) if mode == "tp" else []
+    for step in range(STEPS):
+        ids = _batch(step)
+        if mode == "tp":
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(**acc.prepare_sp_inputs(input_ids=ids, labels=ids)).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
+    acc.end_training()
+    return state, split
+
+
+# [Note: the matrix's bound]
+# [Note: the fp32 bound, from float64] in test_tensor_parallel.py compares a parallel run's
+# distance from the float64 training with one fp32 process's (whole model 2x, worst tensor 3x).
+# On these 2-step tiny models Adam turns the rounding of near-zero gradient elements into
+# full-size steps of either sign, and which elements flip is chance: one fp32 run is a single
+# draw of that noise, and a parallel run (another draw) lands above 3x of it for some types
+# (measured: olmo2 4.5x, cohere 3.4x with default eps; with eps=1e-6 llama 3.2x and olmo2
+# 0.7x), while its losses and gradient norms agree with the float64 run to 1e-7 (no change
+# of the computation). So the one-process spread is taken over three fp32 runs of the same
+# training that sum in different orders (plain, two micro-batches, rows flipped): the
+# parallel run may be no farther from float64 than 2x (model) / 3x (worst tensor) the
+# farthest of them. A real error (a dropped scale, a gradient summed twice) is orders of
+# magnitude above this (the Gemma2 embedding scale: an excess of thousands).
+def matrix_excess(got: dict, variants: list, ref64: dict, keys: list) -> tuple:
+    """(excess, tensor): at most 1.0 passes ([Note: the matrix's bound])."""
+    from test_tensor_parallel import FP32_NORM_BOUND, FP32_WORST_BOUND, _rel64
+
+    def spread(state):
+        return sum(float((state[k].double() - ref64[k].double()).norm()) ** 2 for k in keys) ** 0.5
+
+    norm_ratio = spread(got) / max(max(spread(v) for v in variants), 1e-300)
+    worst, key = max((_rel64(got[k], ref64[k]), k) for k in keys)
+    worst_ratio = worst / max(max(_rel64(v[k], ref64[k]) for v in variants for k in keys), 1e-300)
+    return max(norm_ratio / FP32_NORM_BOUND, worst_ratio / FP32_WORST_BOUND), key
+
+
+_REFUSALS = ("PlanError", "NotImplementedError", "UnsupportedAttentionError", "MeshError")
+
+
+def _matrix(state, kinds):
+    import gc
+
+    from tiny_models import NotBuilt
+
+    out = {}
+    for kind in kinds:
+        try:
+            ref64 = _reference(kind, "f64")
+            variants = [_reference(kind, v) for v in ("f32", "micro", "flip", "ksplit", "blocks")]
+        except NotBuilt as e:
+            out[kind] = {"built": str(e)}
+            continue
+        ref32 = variants[0]
+        keys = [k for k in ref32 if ref32[k].is_floating_point() and not k.endswith("k_proj.bias")]
+        row = {}
+        for mode in ("tp", "sp"):
+            try:
+                got, split = _parallel(kind, mode)
+            except Exception as e:  # noqa: BLE001
+                where = "prepare" if getattr(e, "during_prepare", False) else "training"
+                row[mode] = (f"refused:{where}", type(e).__name__, str(e)[:400])
+                continue
+            finally:
+                gc.collect()
+            if set(got) != set(ref32):
+                row[mode] = ("keys", sorted(set(got) ^ set(ref32))[:5], "")
+                continue
+            excess, worst = matrix_excess(got, variants, ref64, keys)
+            row[mode] = ("ran", excess, worst, len(split))
+        out[kind] = row
+    return out
+
+
+def _kinds():
+    pytest.importorskip("transformers")
+    import sys
+    import os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny_models import matrix_types
+
+    return matrix_types() + ["user_module"]
+
+
+# The types this test must see right (not refused): the ones the issue found wrong and the
+# families the suite is built around.
+MUST_MATCH_TP = ("gemma", "gemma2", "gemma3_text", "gpt2", "phi3", "llama", "qwen2", "mistral", "user_module",
+                 "starcoder2", "gpt_neox", "apertus")
+MUST_MATCH_SP = ("gemma", "gemma3_text", "gpt2", "phi3", "llama", "qwen2", "mistral", "user_module")
+
+
+def test_every_model_type_is_right_or_refused_under_tp_and_sp():
+    kinds = _kinds()
+    results = run_distributed(_matrix, 2, args=(kinds,), timeout=1500)
+    table = results[0]
+    failures, refused, matched, unbuilt = [], {}, {"tp": [], "sp": []}, []
+    for kind, row in table.items():
+        if "built" in row:
+            unbuilt.append(f"{kind} ({row['built']})")
+            continue
+        for mode, r in row.items():
+            if r[0] == "ran" and r[1] <= 1.0 and (mode == "sp" or r[3] > 0):
+                matched[mode].append(kind)
+            elif r[0] == "refused:prepare" and r[1] in _REFUSALS:
+                refused.setdefault(mode, []).append(f"{kind}: {r[1]}: {r[2][:120]}")
+            else:
+                failures.append((kind, mode, r))
+    summary = (f"matched tp {len(matched['tp'])}, sp {len(matched['sp'])}; refused tp "
+               f"{len(refused.get('tp', []))}, sp {len(refused.get('sp', []))}; not built {len(unbuilt)}")
+    print(summary)
+    for mode, rows in refused.items():
+        for r in rows:
+            print(f"refused {mode}: {r}")
+    for u in unbuilt:
+        print(f"not built: {u}")
+    for f in failures:
+        print(f"FAILED {f[0]} {f[1]}: {str(f[2])[:300]}")
+    assert not failures, (summary, failures)
+    for kind in MUST_MATCH_TP:
+        assert kind in matched["tp"], (kind, table.get(kind))
+    for kind in MUST_MATCH_SP:
+        assert kind in matched["sp"], (kind, table.get(kind))
+    # the same answer on both ranks
+    assert results[1] == table or all(
+        (a.get("tp", (None,))[0], a.get("sp", (None,))[0]) == (b.get("tp", (None,))[0], b.get("sp", (None,))[0])
+        for a, b in zip(table.values(), results[1].values())), "the ranks disagree on the matrix"

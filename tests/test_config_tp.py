@@ -91,7 +91,7 @@ def test_yaml_file(tmp_path):
 
 
 def test_config_object_and_accelerator(tmp_path):
-    cfg = MixprecConfig(tensor_parallel=TensorParallelOptions(size=2, preset_model="phi3"))
+    cfg = MixprecConfig(tensor_parallel=TensorParallelOptions(size=2, preset_model="gpt2"))
     r = _resolve(cfg)
     assert r.config.tensor_parallel.size == 2 and r.source("tensor_parallel.preset_model") == "config object"
     # One process cannot split over 2 ranks: the error names both numbers (the multi-process
@@ -135,8 +135,8 @@ def test_env_vars_and_conflicts():
 @pytest.mark.parametrize("block,message", [
     ({"size": 0}, r"tensor_parallel.size=0 must be an int >= 1 \(from config dict\)"),
     ({"size": 2.0}, r"tensor_parallel.size=2.0 must be an int >= 1"),
-    ({"preset_model": "gpt2"}, r"tensor_parallel.preset_model='gpt2' is not supported; use one of 'llama', "
-                               r"'qwen2', 'phi3', 'mixtral', 'deepseek_v2', 'bloom', 'chatglm'"),
+    ({"preset_model": "phi3"}, r"tensor_parallel.preset_model='phi3' is not supported; use one of 'llama', "
+                               r"'qwen2', 'mixtral', 'deepseek_v2', 'gpt2'"),
     ({"preset_model": "qwen"}, r"Did you mean 'qwen2'\?"),
     ({"presets": "llama"}, r"unknown config key 'tensor_parallel.presets' \(from config dict\)\. Did you mean "
                            r"'preset_model'\? Valid keys in block 'tensor_parallel': size, preset_model, "
@@ -230,11 +230,11 @@ def test_explain_and_flags_show_the_block(tmp_path, capsys):
     assert ("[{patterns: [.*qkv_proj$], partition_type: column, shape: [[16, 8, 8], -1]}]"
             in lines[SPECS])
     out = tmp_path / "w.yaml"
-    assert main(["config", "--tensor-parallel-size", "4", "--tensor-parallel-preset-model", "bloom",
+    assert main(["config", "--tensor-parallel-size", "4", "--tensor-parallel-preset-model", "gpt2",
                  "--tensor-parallel-partition-config-layer-specs", "[{patterns: [dense$], partition_type: row}]",
                  "-o", str(out)]) == 0
     assert yaml.safe_load(out.read_text()) == {"tensor_parallel": {
-        "size": 4, "preset_model": "bloom",
+        "size": 4, "preset_model": "gpt2",
         "partition_config": {"layer_specs": [{"patterns": ["dense$"], "partition_type": "row"}]}}}
 
 
@@ -359,7 +359,7 @@ def test_import_deepspeed_tensor_parallel_report(tmp_path):
 @pytest.mark.parametrize("section,refused", [
     ({"autotp_size": "auto"}, "'auto' is filled in by the HF Trainer"),
     ({"autotp_size": -1}, "must be an integer >= 0"),
-    ({"preset_model": "gpt2"}, "not a preset; use one of llama, qwen2"),
+    ({"preset_model": "phi3"}, "not a preset; use one of llama, qwen2"),
     ({"kernel_inject": True}, "DeepSpeed's inference kernel injection is not supported"),
     ({"autotp_size": 2, "tp": {"tp_size": 4}}, "sets tensor_parallel.size=4, but tensor_parallel.autotp_size "
                                                "already set tensor_parallel.size=2"),

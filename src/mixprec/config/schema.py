@@ -40,7 +40,7 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Collective = Literal["auto", "reduce_scatter", "allreduce"]
 LossScaler = Literal["torch", "deepspeed"]
 NonFiniteGrads = Literal["skip", "raise"]
-TPPresetModel = Literal["llama", "qwen2", "phi3", "mixtral", "deepseek_v2", "bloom", "chatglm"]
+TPPresetModel = Literal["llama", "qwen2", "mixtral", "deepseek_v2", "gpt2"]
 TPPartitionType = Literal["column", "row", "skip"]
 
 
@@ -280,7 +280,7 @@ class TensorParallelOptions:
     """Ranks in one tensor-parallel group. 1: off."""
     preset_model: Optional[TPPresetModel] = None
     """Built-in partition rules of a model family: ``llama``, ``qwen2``, ``phi3``,
-    ``mixtral``, ``deepseek_v2``, ``bloom``, ``chatglm``. null: the model's HF ``tp_plan``
+    ``mixtral``, ``deepseek_v2``, ``gpt2`` (transformers Conv1D). null: the model's HF ``tp_plan``
     or mixprec's heuristics."""
     partition_config: TPPartitionConfig = field(default_factory=TPPartitionConfig)
     """Custom partition rules."""

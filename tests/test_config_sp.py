@@ -61,8 +61,9 @@ def test_world_size_and_layout_errors_name_the_numbers():
         _resolve({"sequence_parallel": {"size": 4}}, world_size=6)
     with pytest.raises(MeshError, match=r"sequence_parallel.size=2 does not divide the world size 1"):
         Accelerator(config={"sequence_parallel": {"size": 2}}, cpu=True, log_policy=False)
-    with pytest.raises(NotImplementedError, match=r"tensor_parallel.size=2 with sequence_parallel.size=2: tensor "
-                                                  r"and sequence parallelism together are not implemented"):
+    # TP x SP: one mesh; their product must divide the world
+    with pytest.raises(MeshError, match=r"tensor_parallel.size=2 x sequence_parallel.size=2 \(= 4 ranks per model "
+                                        r"copy\) does not divide the world size 1"):
         Accelerator(config={"sequence_parallel": {"size": 2}, "tensor_parallel": {"size": 2}}, cpu=True,
                     log_policy=False)
 

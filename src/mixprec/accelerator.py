@@ -270,14 +270,14 @@ class Accelerator(AccelerateApi):
             self.state = init_single_process_group(self.state, timeout=timeout)
         tp_size = getattr(getattr(cfg, "tensor_parallel", None), "size", 1)
         sp_size = getattr(getattr(cfg, "sequence_parallel", None), "size", 1)
-        # The (dp, tp) or (dp, sp) rank layout under tensor or sequence parallelism
+        # The (dp, sp, tp) rank layout under tensor and/or sequence parallelism
         # (parallel/mesh.py); under SP, the group's Ulysses attention (parallel/sequence/).
         self.mesh = None
         self._ulysses: Optional[sequence_parallel.Ulysses] = None
-        if sp_size > 1:
+        if sp_size > 1:  # the (dp, sp, tp) mesh, TP x SP included
             self.mesh, self._ulysses = sequence_parallel.setup(comm_cls, self.state, sp_size, tp_size)
-        elif tp_size > 1:
-            comm_cls, self.mesh = tensor_parallel.setup(comm_cls, self.state, tp_size)
+        if tp_size > 1:
+            comm_cls, self.mesh = tensor_parallel.setup(comm_cls, self.state, tp_size, self.mesh)
         if creates_group and self.state.group is not None:
             _CREATED_GROUPS.add(self.state.group.group_name)
         self._ended = False

@@ -40,6 +40,7 @@ def startup_line(acc, model: nn.Module) -> str:
         f"{type(model).__name__}: {acc.engine.comm.describe_layout(model)}",
     ]
     if acc.mesh is not None:
-        kind = "sequence parallel" if acc.mesh.sp_size > 1 else "tensor parallel"
+        kind = " x ".join(k for k, n in (("sequence parallel", acc.mesh.sp_size), ("tensor parallel",
+                                                                                  acc.mesh.tp_size)) if n > 1)
         parts.insert(2, f"{kind}: {acc.mesh.describe()}")
     return "; ".join(parts)

@@ -94,20 +94,17 @@ def _user_model():
     return TinyDecoder()
 
 
-def _ksplit_class():
+def _blocks_class():
     import torch
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
-    class KSplit(TorchFunctionMode):
+    class Blocks(TorchFunctionMode):
         """Every ``F.linear`` with even feature counts computed in four blocks: each half of
         the output features as the sum of the products of the two halves of the input
         features. Forward sums in the order of a 2-way split of the input features, backward
-        sums the input's gradient over the two halves of the output features."""
-
-        def __init__(self, blocks: bool):
-            super().__init__()
-            self.blocks = blocks  # False: only the input features split (forward order only)
+        sums the input's gradient over the two halves of the output features: the orders of a
+        2-way tensor-parallel split, in one process."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -116,20 +113,13 @@ def _ksplit_class():
                 b = args[2] if len(args) > 2 else kwargs.get("bias")
                 n, k = w.shape
                 if k % 2 == 0 and n % 2 == 0:
-                    h, m = k // 2, (n // 2 if self.blocks else n)
-                    if not self.blocks:
-                        y = F.linear(x[..., :h], w[:, :h]) + F.linear(x[..., h:], w[:, h:])
-                        return y if b is None else y + b
+                    h, m = k // 2, n // 2
                     y = torch.cat([F.linear(x[..., :h], w[r:r + m, :h]) + F.linear(x[..., h:], w[r:r + m, h:])
-                                   for r in range(0, n, m)], dim=-1)
+                                   for r in (0, m)], dim=-1)
                     return y if b is None else y + b
             return func(*args, **kwargs)
 
-    return KSplit
-
-
-def _KSplit(blocks: bool):
-    return _ksplit_class()(blocks)
+    return Blocks
 
 
 def _build(kind: str):
@@ -140,10 +130,9 @@ def _build(kind: str):
 
 def _reference(kind: str, variant: str) -> dict:
     """The plain PyTorch training in one process: ``f64`` in float64; ``f32`` in fp32; ``micro``
-    (two micro-batches), ``flip`` (the batch's rows in the other order), ``ksplit`` (every
-    ``F.linear`` summed as two halves of its input features) and ``blocks`` (the same, each
-    half of the output features apart): fp32 with the same arithmetic
-    summed in another order, the spread of one fp32 process ([Note: the matrix's bound])."""
+    (two micro-batches accumulated) and ``blocks`` (every ``F.linear`` in four blocks,
+    :func:`_blocks_class`): fp32 with the same arithmetic summed in other orders, the spread
+    of one fp32 process ([Note: the matrix's bound])."""
     import contextlib
 
     import torch
@@ -158,9 +147,7 @@ def _reference(kind: str, variant: str) -> dict:
             for half in (ids[:2], ids[2:]):  # equal token counts: the mean of the halves' means
                 (model(input_ids=half, labels=half).loss / 2).backward()
         else:
-            ids = ids.flip(0) if variant == "flip" else ids
-            split = variant in ("ksplit", "blocks")
-            with _KSplit(variant == "blocks") if split else contextlib.nullcontext():
+            with _blocks_class()() if variant == "blocks" else contextlib.nullcontext():
                 model(input_ids=ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -205,12 +192,13 @@ def _parallel(kind: str, mode: str) -> tuple:
 # On these 2-step tiny models Adam turns the rounding of near-zero gradient elements into
 # full-size steps of either sign, and which elements flip is chance: one fp32 run is a single
 # draw of that noise, and a parallel run (another draw) lands above 3x of it for some types
-# (measured: olmo2 4.5x, cohere 3.4x with default eps; with eps=1e-6 llama 3.2x and olmo2
-# 0.7x), while its losses and gradient norms agree with the float64 run to 1e-7 (no change
-# of the computation). So the one-process spread is taken over three fp32 runs of the same
-# training that sum in different orders (plain, two micro-batches, rows flipped): the
-# parallel run may be no farther from float64 than 2x (model) / 3x (worst tensor) the
-# farthest of them. A real error (a dropped scale, a gradient summed twice) is orders of
+# (measured on 2 x 8 tokens: olmo2 4.5x, cohere 3.4x with default eps; with eps=1e-6 llama
+# 3.2x and olmo2 0.7x), while its losses and gradient norms agree with the float64 run to
+# 1e-7 (no change of the computation). So the batch is 4 x 16 tokens (fewer near-zero
+# elements), and the one-process spread is taken over three fp32 runs of the same training
+# that sum in different orders (plain; two micro-batches; every Linear in the blocks a 2-way
+# split sums in, _blocks_class): the parallel run may be no farther from float64 than 2x
+# (model) / 3x (worst tensor) the farthest of them. A real error (a dropped scale, a gradient summed twice) is orders of
 # magnitude above this (the Gemma2 embedding scale: an excess of thousands).
 def matrix_excess(got: dict, variants: list, ref64: dict, keys: list) -> tuple:
     """(excess, tensor): at most 1.0 passes ([Note: the matrix's bound])."""
@@ -231,17 +219,27 @@ _REFUSALS = ("PlanError", "NotImplementedError", "UnsupportedAttentionError", "M
 def _matrix(state, kinds):
     import gc
 
+    import torch.distributed as dist
+
     from tiny_models import NotBuilt
 
+    # The references are split between the two ranks (f64 and f32 on rank 0, the other two
+    # summation orders on rank 1) and gathered: each rank trains two of them per type.
+    mine_variants = ("f64", "f32") if dist.get_rank() == 0 else ("micro", "blocks")
     out = {}
     for kind in kinds:
         try:
-            ref64 = _reference(kind, "f64")
-            variants = [_reference(kind, v) for v in ("f32", "micro", "flip", "ksplit", "blocks")]
+            mine = [_reference(kind, v) for v in mine_variants]
         except NotBuilt as e:
-            out[kind] = {"built": str(e)}
+            mine = str(e)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        failed = next((e for e in everyone if isinstance(e, str)), None)
+        if failed is not None:
+            out[kind] = {"built": failed}
             continue
-        ref32 = variants[0]
+        ref64, ref32 = everyone[0]
+        variants = [ref32, *everyone[1]]
         keys = [k for k in ref32 if ref32[k].is_floating_point() and not k.endswith("k_proj.bias")]
         row = {}
         for mode in ("tp", "sp"):
@@ -280,6 +278,7 @@ MUST_MATCH_TP = ("gemma", "gemma2", "gemma3_text", "gpt2", "phi3", "llama", "qwe
 MUST_MATCH_SP = ("gemma", "gemma3_text", "gpt2", "phi3", "llama", "qwen2", "mistral", "user_module")
 
 
+@pytest.mark.slow  # minutes: collected first (tests/conftest.py)
 def test_every_model_type_is_right_or_refused_under_tp_and_sp():
     kinds = _kinds()
     results = run_distributed(_matrix, 2, args=(kinds,), timeout=1500)

@@ -733,9 +733,10 @@ def _dropout(state):
         def __init__(self):
             super().__init__()
             self.up, self.drop, self.down = nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 16)
+            self.post = nn.Dropout(0.5)  # after the row layer, inside the block: replicated
 
         def forward(self, x):
-            return self.down(self.drop(self.up(x)))
+            return self.post(self.down(self.drop(self.up(x))))
 
     specs = {"use_default_specs": False, "layer_specs": [
         {"patterns": [r"\.up$"], "partition_type": "column"}, {"patterns": [r"\.down$"], "partition_type": "row"}]}
@@ -750,15 +751,19 @@ def _dropout(state):
         model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         seen = {}
         model[0].drop.register_forward_hook(lambda m, a, o: seen.update(inner=(o == 0).clone()))
+        model[0].post.register_forward_hook(lambda m, a, o: seen.update(post=o.detach().clone()))
         torch.manual_seed(1 + dist.get_rank() // 2)  # the same stream on the TP ranks
         y = model(torch.ones(4, 16))
         y.square().sum().backward()
+        post = [torch.empty_like(seen["post"]) for _ in range(2)]
+        dist.all_gather(post, seen["post"].contiguous())
         inner = [torch.empty_like(seen["inner"]) for _ in range(2)]
         outer = [torch.empty_like(y) for _ in range(2)]
         dist.all_gather(inner, seen["inner"].contiguous())
         dist.all_gather(outer, y.detach().contiguous())
         out[ckpt] = {"inner_differs": not torch.equal(inner[0], inner[1]),
                      "outer_equal": torch.equal(outer[0], outer[1]),
+                     "post_equal": torch.equal(post[0], post[1]) and bool((post[0] == 0).any()),
                      "outer_dropped": bool((y == 0).any()),
                      "grad": model[0].up.weight.grad.clone()}
         del acc, model, opt
@@ -769,9 +774,11 @@ def _dropout(state):
 
 def test_dropout_masks_shared_on_replicated_and_independent_on_split_activations():
     """[Note: dropout under TP]: a dropout after the row layer (replicated activation) draws
-    the same mask on both TP ranks; one between column and row (split features) draws
-    independent masks; an activation-checkpointing recompute draws the same masks again."""
+    the same mask on both TP ranks, also inside the split layers' own module (GPT-2's
+    resid_dropout); one between column and row (split features) draws independent masks; an
+    activation-checkpointing recompute draws the same masks again."""
     for r in run_distributed(_dropout, 2, timeout=300):
         for ckpt in (False, True):
             assert r[ckpt]["inner_differs"] and r[ckpt]["outer_equal"] and r[ckpt]["outer_dropped"], r[ckpt]
+            assert r[ckpt]["post_equal"], r[ckpt]
         assert r["recompute_same"]

@@ -29,12 +29,14 @@ __all__ = ["IGNORE_INDEX", "Mesh", "MeshError", "Ulysses", "UnsupportedAttention
 
 def setup(comm_cls: type, state: Any, sp_size: int, tp_size: int = 1) -> tuple[Mesh, Ulysses]:
     """The mesh and the Ulysses attention for ``sequence_parallel.size = sp_size`` (a
-    collective). Every backend composes, the engine keeping the whole world as its group."""
+    collective), with ``tensor_parallel.size = tp_size`` on the same ``(dp, sp, tp)`` mesh
+    ([Note: the rank mesh] in parallel/mesh.py). Every backend composes; the engine keeps
+    every rank holding the same weights as its group."""
     check_layout(state.world_size, tp_size, sp_size)  # one process: "does not divide the world size 1"
     if not comm_cls.distributed:
         raise MeshError(f"sequence_parallel.size={sp_size} needs several processes and a distributed backend, "
                         f"got backend={comm_cls.name!r}; use ddp, zero1, zero2, zero3 or fsdp (or auto)")
-    mesh = build_mesh(state.world_size, state.rank, 1, backend=state.backend, sp_size=sp_size)
+    mesh = build_mesh(state.world_size, state.rank, tp_size, backend=state.backend, sp_size=sp_size)
     return mesh, Ulysses(mesh.sp_group, sp_size, mesh.sp_rank)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..mesh import Mesh, MeshError, build_mesh
 from .apply import InputMismatchError, TPLayout, apply_tensor_parallel
-from .engine import TPCommMixin, tp_comm_class
+from .engine import tp_comm_class
 from .layers import TPGroup, copy_to, gather_from, reduce_from, scatter_to
 from .plan import LayerPlan, PlanError, resolve_plan
 
@@ -24,17 +24,18 @@ __all__ = ["InputMismatchError", "LayerPlan", "Mesh", "MeshError", "PlanError", 
            "copy_to", "full_state_dict", "gather_from", "layout_of", "prepare_model", "reduce_from",
            "resolve_plan", "scatter_to", "setup", "swap_optimizer_params"]
 
-def setup(comm_cls: type, state: Any, tp_size: int) -> tuple[type, Mesh]:
+def setup(comm_cls: type, state: Any, tp_size: int, mesh: Optional[Mesh] = None) -> tuple[type, Mesh]:
     """The engine class and the mesh for ``tensor_parallel.size = tp_size`` (a collective).
     Every distributed backend composes: ddp/zero1/zero2 replicate or shard the split model's
     state over the DP group, zero3/fsdp shard its units over it (the 2-D layout)."""
     from ..mesh import check_layout
 
-    check_layout(state.world_size, tp_size)  # one process: "does not divide the world size 1"
+    check_layout(state.world_size, tp_size, mesh.sp_size if mesh is not None else 1)
     if not comm_cls.distributed:
         raise MeshError(f"tensor_parallel.size={tp_size} needs several processes and a distributed backend, "
                         f"got backend={comm_cls.name!r}; use ddp, zero1, zero2, zero3 or fsdp (or auto)")
-    mesh = build_mesh(state.world_size, state.rank, tp_size, backend=state.backend)
+    if mesh is None:
+        mesh = build_mesh(state.world_size, state.rank, tp_size, backend=state.backend)
     return tp_comm_class(comm_cls), mesh
 
 

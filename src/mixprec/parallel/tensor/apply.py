@@ -253,47 +253,66 @@ def _localise_heads(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup, 
 
 
 # [Note: dropout under TP]
-# Activations outside the split layers' parents are replicated (every TP rank computes the
-# same tensor), so a dropout on them must draw the same mask on every rank: TP ranks run on
-# one RNG stream (_sync_rng). Inside a module whose children are column-split (an attention
-# block: its heads; an MLP: its hidden features), activations are split, and a dropout there
-# must draw independent masks per rank, as one process draws different masks for different
-# heads. Such a module's forward therefore runs on its own RNG state: a seed drawn from the
-# shared stream (the same draw on every rank, so the shared stream stays in step), offset by
-# the TP rank, on a forked generator (torch.random.fork_rng: CPU and the current CUDA device),
-# the shared state restored after. The seed comes from the shared stream at each call, so an
-# activation-checkpointing recompute (which restores the shared stream) draws the same masks.
-# Only modules with an active dropout (training, a Dropout child with p > 0 or a positive
-# ``attention_dropout``) fork: the others run unchanged.
+# Replicated activations (every TP rank computes the same tensor) must draw the same dropout
+# mask on every rank: TP ranks run on one RNG stream (_sync_rng). Split activations (an
+# attention's heads, an MLP's hidden features) must draw independent masks per rank, as one
+# process draws different masks for different heads. The split region of a module whose
+# children are split is exactly the stretch from a column child's output to a row child's
+# input: its forward runs on its own RNG state from the first column child's output (a seed
+# drawn from the shared stream, the same draw on every rank so the shared stream stays in
+# step, offset by the TP rank, on a forked generator: torch.random.fork_rng, CPU and the
+# current CUDA device) until the next row child's input, or the module's end; the shared state
+# is then restored. A dropout after the row layer but inside the same module (GPT-2's
+# resid_dropout, its MLP's dropout) so draws on the shared stream, the same mask everywhere.
+# The seed comes from the shared stream at each region, so an activation-checkpointing
+# recompute (which restores the shared stream) draws the same masks. Only modules with an
+# active dropout (training, a Dropout with p > 0 or a positive ``attention_dropout``) fork.
+class _SplitRegion:
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self.forks: list = []
+
+    def open(self, child, args, output) -> None:
+        if self.forks or not child.training:
+            return
+        seed = int(torch.randint(0, 2**62, (1,)).item()) + 7919 * self.tp.rank
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        fork = torch.random.fork_rng(devices=devices)
+        fork.__enter__()
+        self.forks.append(fork)
+        torch.manual_seed(seed)
+
+    def close(self, *_args) -> None:
+        while self.forks:
+            self.forks.pop().__exit__(None, None, None)
+
+
 def _install_split_rng(model: nn.Module, plans: dict[str, LayerPlan], tp: TPGroup) -> None:
     if tp.size == 1:
         return
-    for module in _column_parents(model, plans, ("column",)):
+    for name, module in model.named_modules():
+        if hasattr(module, "base_layer"):  # a peft LoRA layer: its parent holds the region
+            continue
         has_dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
         attn_p = module.__dict__.get("attention_dropout")
         if not has_dropout and not (isinstance(attn_p, float) and attn_p > 0):
             continue
-        state: dict = {}
-
-        def pre(mod, args, _state=state):
-            if not mod.training:
-                return None
-            seed = int(torch.randint(0, 2**62, (1,)).item()) + 7919 * tp.rank
-            devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-            fork = torch.random.fork_rng(devices=devices)
-            fork.__enter__()
-            _state.setdefault("forks", []).append(fork)
-            torch.manual_seed(seed)
-            return None
-
-        def post(mod, args, output, _state=state):
-            forks = _state.get("forks")
-            if forks:
-                forks.pop().__exit__(None, None, None)
-            return None
-
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post, always_call=True)
+        columns, rows = [], []
+        for cname, child in module.named_children():
+            path = f"{name}.{cname}" if name else cname
+            plan = plans.get(path) or plans.get(f"{path}.base_layer")
+            if plan is not None and plan.style == "column":
+                columns.append(child)
+            elif plan is not None and plan.style in ("row", "row_split_input"):
+                rows.append(child)
+        if not columns:
+            continue
+        region = _SplitRegion(tp)
+        for child in columns:
+            child.register_forward_hook(torch.compiler.disable(region.open))
+        for child in rows:
+            child.register_forward_pre_hook(torch.compiler.disable(region.close))
+        module.register_forward_hook(torch.compiler.disable(region.close), always_call=True)
 
 
 # [Note: replicated parameters on split activations]

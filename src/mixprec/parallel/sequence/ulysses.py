@@ -75,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -334,14 +335,133 @@ class _FirstForwardWatch:
                 "sequence. Use SDPA (HF models: attn_implementation='sdpa')")
 
 
+# [Note: sequence mixing outside SDPA]
+# Ulysses makes scaled_dot_product_attention see the whole sequence; every other op of the
+# model runs on this rank's slice. That is right only for ops that are per token. A module
+# that mixes tokens some other way runs over the slice alone and gives a different model, with
+# no error: a causal convolution over the sequence (Mamba, gated DeltaNet, short-convolution
+# layers: an nn.Conv1d with a kernel wider than 1), a recurrence or linear attention (state
+# carried along the sequence: Mamba, DeltaNet, lightning/linear attention, RWKV, retention),
+# or an attention that builds its own float mask or position bias from the local length
+# (found silently wrong by the model matrix, tests/distributed/test_model_matrix.py:
+# falcon_h1, lfm3, qwen3_next, qwen3_5, lara_mini, inkling...). ``check_model`` refuses them at
+# prepare(), naming the module, by three signals in this order: the modules (an nn.Conv1d
+# with kernel > 1, a class name of a known sequence mixer, an attention-like class that
+# defines its own mask method), then the config's per-layer kinds (``layer_types`` and its
+# variants naming a non-attention mixer). The first forward's watch (_FirstForwardWatch) stays
+# the second line: attention-named modules that make no SDPA call, softmax over a local
+# [S/P, S/P] score matrix.
+# Words of a class name (CamelCase split, lower case) that name a sequence mixer, alone or as
+# consecutive words (SeedOssModel holds the letters "ssm" but not the word).
+_MIXER_WORDS = {("mamba",), ("mamba2",), ("ssm",), ("s4",), ("s6",), ("rwkv",), ("retention",), ("hyena",),
+                ("recurrent",), ("lstm",), ("rglru",), ("mixer",), ("delta",), ("deltanet",), ("lightning",),
+                ("linear", "attention"), ("short", "conv"), ("short", "convolution"), ("causal", "conv")}
+
+
+def _mixer_name(cls_name: str) -> bool:
+    words = [w.lower() for w in re.findall(r"[A-Z]+(?=[A-Z][a-z]|\d|$)|[A-Z]?[a-z]+|\d+", cls_name)]
+    return any(tuple(words[i:i + n]) in _MIXER_WORDS for n in (1, 2) for i in range(len(words)))
+
+
+_MIXER_KINDS = re.compile(r"linear|lightning|delta|mamba|ssm|conv|recurrent|rwkv|retention|hybrid|gdn|kda",
+                          re.IGNORECASE)
+_LAYER_KIND_KEYS = ("layer_types", "layers_block_type", "block_types", "layers_block_types",
+                    "hybrid_override_pattern")
+_SP_FIX = ("sequence parallelism runs only scaled_dot_product_attention over the whole sequence, every other "
+           "op on this rank's slice of it. Train this model with sequence_parallel.size: 1 (to save memory: "
+           "tensor_parallel.size, fsdp/zero3 or activation_checkpointing)")
+
+
+def _own_mask_method(cls: type) -> Optional[str]:
+    """A method with 'mask' in its name that an attention class (or a base of it below
+    nn.Module) defines: the attention builds its own mask (e.g. a dynamic float mask)."""
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            break
+        for name, value in vars(klass).items():
+            if "mask" in name.lower() and callable(value):
+                return f"{klass.__name__}.{name}"
+    return None
+
+
+def _sequence_mixers(model: nn.Module) -> list[str]:
+    """The modules of [Note: sequence mixing outside SDPA], each as ``module 'path' (Class):
+    why``: a module whose class names a sequence mixer (the innermost such, e.g. the gated
+    DeltaNet rather than its decoder layer), an nn.Conv1d over the sequence that no named
+    mixer holds, an attention-like module with its own mask method."""
+    named = list(model.named_modules())
+
+    def under(path: str, paths: list[str]) -> bool:
+        return any(p != path and (p == "" or path.startswith(p + ".")) for p in paths)
+
+    by_name = [p for p, m in named if _mixer_name(type(m).__name__)]
+    by_name = [p for p in by_name if not any(under(q, [p]) for q in by_name)]  # innermost
+    found: list[str] = []
+    for path, module in named:
+        cls = type(module).__name__
+        why = None
+        if path in by_name:
+            why = ("a recurrent / linear-attention / state-space / convolutional sequence mixer, which would carry "
+                   "its state within this rank's slice only")
+        elif isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and not under(path, by_name):
+            why = (f"a convolution over the sequence (kernel {module.kernel_size[0]}), which would convolve within "
+                   "this rank's slice")
+        elif _looks_like_attention(module) and (method := _own_mask_method(type(module))):
+            why = (f"an attention that builds its own mask ({method}) from this rank's slice, not the whole "
+                   "sequence's causal mask")
+        if why is not None:
+            found.append(f"module {path or '(the model)'!r} ({cls}): {why}")
+    return found
+
+
+def _layer_kinds(model: nn.Module) -> list[str]:
+    """Layers the config declares a non-attention sequence mixer (``layer_types`` and its
+    variants; ``hybrid_override_pattern``: 'M' is a Mamba layer)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    configs = [config]
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        try:
+            configs.append(text())
+        except Exception:  # noqa: BLE001 - a config without a text part
+            pass
+    layers = next((p for p, m in model.named_modules() if isinstance(m, nn.ModuleList)
+                   and p.rsplit(".", 1)[-1] in ("layers", "h", "blocks", "layer")), None)
+    out: list[str] = []
+    for cfg in configs:
+        for key in _LAYER_KIND_KEYS:
+            kinds = getattr(cfg, key, None)
+            if isinstance(kinds, str):
+                bad = [(i, k) for i, k in enumerate(kinds) if k == "M"]
+            elif isinstance(kinds, (list, tuple)):
+                bad = [(i, k) for i, k in enumerate(kinds) if isinstance(k, str) and _MIXER_KINDS.search(k)]
+            else:
+                continue
+            for i, kind in bad:
+                where = f", module {layers}.{i}" if layers is not None else ""
+                out.append(f"config.{key}[{i}] = {kind!r} (a non-attention sequence mixer{where})")
+        if out:
+            break
+    return out
+
+
 def check_model(model: nn.Module) -> None:
-    """Refuse, at ``prepare()``, an HF model configured for an attention other than SDPA."""
+    """Refuse, at ``prepare()``, a model that sequence parallelism would run wrong: an HF model
+    configured for an attention other than SDPA, or one that mixes the sequence outside
+    attention ([Note: sequence mixing outside SDPA])."""
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl is not None and impl != "sdpa":
         raise UnsupportedAttentionError(
             f"{type(model).__name__} uses attn_implementation={impl!r}; sequence parallelism runs "
             "torch.nn.functional.scaled_dot_product_attention only: load or build the model with "
             "attn_implementation='sdpa'")
+    found = _sequence_mixers(model) or _layer_kinds(model)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise UnsupportedAttentionError(
+            f"{type(model).__name__} cannot run under sequence parallelism: {found[0]}{more}. {_SP_FIX}")
 
 
 def forward_context(model: nn.Module, ulysses: Ulysses) -> Callable[[], Any]:

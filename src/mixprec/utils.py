@@ -1,4 +1,15 @@
-"""Small helpers over nested containers of tensors (tuples, lists, dicts, mappings)."""
+"""Small helpers over nested containers of tensors (tuples, lists, dicts, mappings), and the
+names scripts import from ``accelerate.utils`` (``set_seed``, ``DistributedType``,
+``ProjectConfiguration``, the configuration dataclasses...): ``from mixprec.utils import
+set_seed`` works where ``from accelerate.utils import set_seed`` did. The dataclasses are
+mixprec's own (src/mixprec/compat/options.py), loaded on first use (this module is imported by
+the lower layers, so it imports nothing of mixprec at import time).
+
+Example::
+
+    from mixprec.utils import DistributedType, set_seed
+    set_seed(42)
+"""
 
 from __future__ import annotations
 
@@ -69,3 +80,66 @@ def pid_alive(pid: int) -> bool:
         return stat[stat.rindex(")") + 2] not in "ZX"
     except OSError:
         return True
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed Python's ``random``, numpy's global RNG (when numpy is installed) and torch (CPU
+    and every CUDA device), as Accelerate's ``set_seed`` does. ``device_specific=True`` adds
+    the process index to ``seed`` (each process draws differently); ``deterministic=True``
+    also calls ``torch.use_deterministic_algorithms(True)``."""
+    import random
+
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"set_seed(seed={seed!r}) needs an int")
+    if device_specific:
+        seed += _process_index()
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:  # numpy is optional: nothing to seed
+        pass
+    else:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def _process_index() -> int:
+    from .compat.state import live_accelerator
+
+    acc = live_accelerator()
+    if acc is not None:
+        return acc.state.rank
+    return int(os.environ.get("RANK", "0"))
+
+
+# accelerate.utils names that live elsewhere in mixprec, resolved on first use (PEP 562).
+_LAZY = {
+    "DistributedType": "mixprec.compat.options",
+    "DataLoaderConfiguration": "mixprec.compat.options",
+    "DistributedDataParallelKwargs": "mixprec.compat.options",
+    "GradientAccumulationPlugin": "mixprec.compat.options",
+    "GradScalerKwargs": "mixprec.compat.options",
+    "InitProcessGroupKwargs": "mixprec.compat.options",
+    "ProjectConfiguration": "mixprec.checkpoint.rotation",
+    **{name: "mixprec.compat.functions" for name in (
+        "gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mixprec.utils' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_LAZY))

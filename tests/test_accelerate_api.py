@@ -184,6 +184,33 @@ def test_skip_first_batches():
         acc.skip_first_batches(loader, -1)
 
 
+def test_skip_first_batches_after_load_state_continues_the_checkpointed_pass(tmp_path):
+    """Issue #36 point 2 on one process: load_state + skip_first_batches(loader, n) is the
+    checkpointed pass from batch n on, then the next pass is the uninterrupted run's next
+    order; a different n is skipped as asked, with a warning naming the checkpoint's."""
+    def run():
+        torch.manual_seed(0)
+        acc = _acc()
+        return acc, acc.prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=2, shuffle=True))
+
+    acc, loader = run()
+    full = []
+    for epoch in range(2):
+        for i, (x,) in enumerate(loader):
+            full.append(x.tolist())
+            if epoch == 0 and i == 1:
+                acc.save_state(str(tmp_path / "ck"))
+    acc, loader = run()
+    acc.load_state(str(tmp_path / "ck"))
+    skipped = acc.skip_first_batches(loader, 2)
+    assert len(skipped) == 4
+    assert [x.tolist() for (x,) in skipped] + [x.tolist() for (x,) in loader] == full[2:]
+    acc, loader = run()
+    acc.load_state(str(tmp_path / "ck"))
+    with pytest.warns(UserWarning, match=r"skip_first_batches\(loader, 3\) after load_state\(\).*after batch 2"):
+        assert [x.tolist() for (x,) in acc.skip_first_batches(loader, 3)] == full[3:6]
+
+
 def test_seedable_sampler_on_one_process_changes_order_per_epoch_and_replays_after_set_epoch():
     acc = _acc(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=11))
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True))

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -38,8 +39,26 @@ class ResumableDataLoader(PreparedDataLoader):
     _mixprec_order_rng: Optional[dict] = None  # generator states the next pass draws from
 
     def __iter__(self):
+        return self._mixprec_pass(None)
+
+    def _mixprec_pass(self, skip_first: Optional[int]):
+        """One pass; ``skip_first`` (from ``skip_first_batches``) replaces the number of
+        batches to skip. A position armed by ``load_state`` is consumed either way: its order
+        is the pass's order, so ``load_state`` + ``skip_first_batches(loader, n)`` (the
+        Accelerate idiom) continues the checkpointed pass after batch ``n``, and the next pass
+        draws the next order, as in the uninterrupted run."""
         skip, order_rng = self._mixprec_skip, self._mixprec_order_rng
         self._mixprec_skip, self._mixprec_order_rng = 0, None
+        if skip_first is not None:
+            if order_rng is not None and skip_first != skip:
+                warnings.warn(
+                    f"skip_first_batches(loader, {skip_first}) after load_state(), whose checkpoint was saved "
+                    f"after batch {skip} of this pass: skipping {skip_first} batches as asked (the pass's order "
+                    f"is the checkpoint's). Pass {skip} to continue exactly where the checkpoint left off, or "
+                    f"iterate the loader itself (load_state already positioned it)",
+                    stacklevel=3,
+                )
+            skip = skip_first
         self._mixprec_epoch_rng = order_rng if order_rng is not None else self._rng_states()
         self._mixprec_yielded = 0
         self._mixprec_in_progress = True
@@ -177,8 +196,11 @@ class StatefulPreparedDataLoader(ResumableDataLoader):
 
         return reads()
 
+    _mixprec_resume_pending = False  # load_state_dict() gave a position the next pass starts from
+
     def __iter__(self):
         self._mixprec_before_read = None
+        self._mixprec_resume_pending = False
         return super().__iter__()
 
     def state_dict(self) -> Optional[dict]:
@@ -188,6 +210,7 @@ class StatefulPreparedDataLoader(ResumableDataLoader):
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         self.dataloader.load_state_dict(state)
+        self._mixprec_resume_pending = state is not None
         self._mixprec_before_read = None
         self._mixprec_skip, self._mixprec_order_rng, self._mixprec_in_progress = 0, None, False
 

@@ -221,7 +221,11 @@ class AccelerateApi:
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """A dataloader that skips the first ``num_batches`` batches of each pass over the
         prepared ``dataloader`` (e.g. to resume mid-epoch); the skipped batches are loaded and
-        dropped. Use the original loader again for the following epochs."""
+        dropped. Use the original loader again for the following epochs.
+
+        After :meth:`load_state` (Accelerate's resume idiom) the pass is the checkpointed
+        pass's order from batch ``num_batches`` on, and the original loader's next pass is the
+        next order: the uninterrupted run's batches (src/mixprec/wrappers/dataloader.py)."""
         from ..wrappers.dataloader import PreparedDataLoader, SkippingDataLoader
 
         if not isinstance(dataloader, PreparedDataLoader):
@@ -231,6 +235,14 @@ class AccelerateApi:
             )
         if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
             raise ValueError(f"skip_first_batches(num_batches={num_batches!r}) needs an int >= 0")
+        if getattr(dataloader, "_mixprec_resume_pending", False) and num_batches:
+            # A StatefulDataLoader's loaded state already positions the next pass: skipping
+            # again would drop batches (Accelerate: "should not be used" with one).
+            raise ValueError(
+                f"skip_first_batches(loader, {num_batches}) on a use_stateful_dataloader loader whose state was just "
+                f"loaded (load_state / load_state_dict): the next pass already starts after the batches the "
+                f"checkpoint consumed, so skipping {num_batches} more would drop them; iterate the loader itself"
+            )
         return SkippingDataLoader(dataloader, num_batches)
 
     # ------------------------------------------------------------------ sync

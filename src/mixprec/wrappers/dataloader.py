@@ -108,7 +108,7 @@ class PreparedDataLoader(torch.utils.data.DataLoader):
                 obj.set_epoch(epoch)
 
     def __getattr__(self, name):
-        if name in ("dataloader", "original", "device", "_gradient_state", "_non_blocking"):
+        if name in ("dataloader", "original", "device", "_gradient_state", "_non_blocking", "parent"):
             raise AttributeError(name)
         return getattr(self.dataloader, name)
 
@@ -120,16 +120,30 @@ class PreparedDataLoader(torch.utils.data.DataLoader):
 
 class SkippingDataLoader(PreparedDataLoader):
     """``Accelerator.skip_first_batches``: each pass over ``loader`` without its first
-    ``num_batches`` batches (they are loaded and dropped)."""
+    ``num_batches`` batches (they are loaded and dropped).
+
+    A pass runs as a pass of ``loader`` itself when it keeps a position
+    (``ResumableDataLoader``, every loader ``prepare()`` returns): ``loader`` counts the
+    batches (a ``save_state`` inside the pass records where it is), and a position that
+    ``load_state`` armed is used, not drawn anew: the pass is the checkpointed pass's order
+    after its first ``num_batches`` batches, and ``loader``'s next pass is the next order
+    (src/mixprec/checkpoint/dataloader.py)."""
 
     def __init__(self, loader: PreparedDataLoader, num_batches: int) -> None:
         super().__init__(loader.dataloader, loader.device, loader._gradient_state,
                          original=loader.original, non_blocking=loader._non_blocking)
         self.skip_batches = num_batches
         self.batch_transform = loader.batch_transform
+        self.parent = loader
 
     def __len__(self) -> int:
         return max(0, len(self.dataloader) - self.skip_batches)
+
+    def __iter__(self):
+        positioned = getattr(type(self.parent), "_mixprec_pass", None)
+        if positioned is None:
+            return super().__iter__()
+        return positioned(self.parent, self.skip_batches)
 
     def _batches(self):
         it = iter(self.dataloader)

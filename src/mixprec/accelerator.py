@@ -174,10 +174,12 @@ class Accelerator(AccelerateApi):
         log_with: trackers for :meth:`init_trackers`/:meth:`log` (mixprec/tracking.py):
             ``"jsonl"`` (default), ``"tensorboard"``, ``"mlflow"``, ``"wandb"``, ``"all"``,
             tracker objects, or a list of them.
-        scheduler_step_rule: ``"accelerate"`` (default): a prepared scheduler steps
-            ``num_processes`` times per optimizer step unless ``split_batches`` (each process
-            saw its own batch, so a schedule written in single-process batches advances as
-            far as one process would have); ``"optimizer"``: once per optimizer step
+        scheduler_step_rule: ``"accelerate"`` (default): a prepared scheduler steps once per
+            data-parallel rank per optimizer step (``num_processes`` times without tensor or
+            sequence parallelism, ``num_processes // (tp * sp)`` with them, whose peers share a
+            batch) unless ``split_batches`` (each data-parallel rank saw its own batch, so a
+            schedule written in single-process batches advances as far as one process would
+            have); ``"optimizer"``: once per optimizer step
             (mixprec 0.1's rule). Both skip while accumulating and after skipped steps.
     """
 
@@ -742,7 +744,11 @@ class Accelerator(AccelerateApi):
         Example::
 
             batch = accelerator.prepare_sp_inputs(input_ids=ids, labels=ids)
-            loss = accelerator.sp_loss(model(input_ids=batch["input_ids"]).logits, batch)
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+            loss = accelerator.sp_loss(logits, batch)
+
+        Pass ``position_ids`` (this slice's positions in the whole sequence): without them
+        the model numbers every slice's tokens from 0, wrong positions for all but the first.
         """
         return sequence_parallel.token_loss(logits, batch)
 
@@ -1019,14 +1025,25 @@ class Accelerator(AccelerateApi):
         return collectives.gather(self.state, tensor)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
-        """``gather``, dropping the samples even-batching duplicated at the end of an epoch."""
+        """``gather``, dropping the samples even-batching duplicated at the end of an epoch;
+        under tensor/sequence parallelism each sample once, from one rank per data-parallel
+        rank ([Note: metrics over data-parallel ranks] in distributed/collectives.py)."""
+        ranks = self._data_ranks()
         if use_gather_object or not _has_tensor(input_data):
-            gathered = collectives.gather_object(self.state, input_data)
+            gathered = collectives.gather_object(self.state, input_data, ranks)
             flat = [x for part in gathered for x in (part if isinstance(part, list) else [part])]
             remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else None
             return flat[:remainder] if remainder else flat
         remainder = self.gradient_state.remainder if self.gradient_state.end_of_dataloader else None
-        return collectives.gather_for_metrics(self.state, input_data, remainder)
+        return collectives.gather_for_metrics(self.state, input_data, remainder, ranks)
+
+    def _data_ranks(self) -> Optional[tuple]:
+        """The ranks at this rank's (sp, tp) place of the mesh, one per data-parallel rank in
+        order (``rank = (d * sp + s) * tp + t``, parallel/mesh.py); None without a mesh."""
+        m = self.mesh
+        if m is None:
+            return None
+        return tuple((d * m.sp_size + m.sp_rank) * m.tp_size + m.tp_rank for d in range(m.dp_size))
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         """Reduce tensors across processes (``"sum"``, ``"mean"``, ``"max"``, ``"min"``), then

@@ -26,7 +26,8 @@ device at every step (the examples' own tqdm bars did). Nothing here reads a dev
 
 * samples/tokens come from shapes (``x.shape[0]``, or ``numel`` of the first tensor or of
   ``input_ids`` for tokens, padding included), counted on this rank and multiplied by the
-  world size: exact for prepared dataloaders, which give every rank batches of one size
+  data-parallel size (the world size without tensor/sequence parallelism, whose peers read
+  the same batches): exact for prepared dataloaders, which give every rank batches of one size
   (``even_batches=True``, the default); no collective;
 * the loss is a snapshot that ``accelerator.backward`` takes while a tracker runs
   (:class:`~mixprec.step.DeviceScalars`: a clone on the CPU, a non-blocking copy behind an
@@ -109,7 +110,12 @@ class Progress:
         self.every_s = float(every_s)
         self.file = file if file is not None else sys.stderr
         self.shown = accelerator.is_main_process  # the other ranks iterate silently
-        self.world = accelerator.num_processes
+        # The ranks reading distinct batches: TP/SP peers share theirs (parallel/mesh.py), so
+        # the data-parallel ranks; tokens of a batch that sequence_parallel.prepare_batches
+        # sliced are this rank's 1/sp of them.
+        mesh = getattr(accelerator, "mesh", None)
+        sliced = unit == "tokens" and getattr(iterable, "batch_transform", None) is not None
+        self.world = accelerator.num_processes if mesh is None else mesh.dp_size * (mesh.sp_size if sliced else 1)
         self.batches = 0
         self.items = 0  # this rank's samples/tokens so far
         self._loss: Optional[DeviceScalars] = None  # newest snapshot, see loss_snapshot()

@@ -61,7 +61,7 @@ def translate(
     if scheduler_step_rule not in SCHEDULER_RULES:
         raise ValueError(
             f"scheduler_step_rule={scheduler_step_rule!r} must be 'accelerate' (a prepared scheduler steps "
-            f"num_processes times per optimizer step unless split_batches) or 'optimizer' (once per step)"
+            f"once per data-parallel rank per optimizer step unless split_batches) or 'optimizer' (once per step)"
         )
     if dataloader_config is not None:
         dl = read_fields(dataloader_config, DataLoaderConfiguration, "dataloader_config")

@@ -66,12 +66,14 @@ def barrier(state: DistributedState) -> None:
 
 
 @tracked("gather", tree_signature)
-def gather(state: DistributedState, tree: Any) -> Any:
+def gather(state: DistributedState, tree: Any, ranks: Optional[tuple] = None) -> Any:
     """All-gather every tensor in ``tree`` and concatenate the ranks' values on dim 0.
 
     0-dim tensors become shape ``(world_size,)``. Every rank must pass tensors of the same
     shape; use :func:`pad_across_processes` first when dim 0 differs. On one process the
     tree is returned as is (0-dim tensors become shape ``(1,)``, as with several processes).
+    ``ranks``: keep only these ranks' values, in this order (every rank still takes part;
+    [Note: metrics over data-parallel ranks]).
 
     Example::
 
@@ -87,15 +89,20 @@ def gather(state: DistributedState, tree: Any) -> Any:
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(state.world_size)]
         dist.all_gather(parts, t, group=state.group)
-        return torch.cat(parts, dim=0)
+        return torch.cat(_keep(parts, ranks), dim=0)
 
     return tree_map_tensors(one, tree)
 
 
+def _keep(parts: list, ranks: Optional[tuple]) -> list:
+    return parts if ranks is None else [parts[r] for r in ranks]
+
+
 @tracked("gather_object", plain_signature)
-def gather_object(state: DistributedState, obj: Any) -> list:
+def gather_object(state: DistributedState, obj: Any, ranks: Optional[tuple] = None) -> list:
     """All-gather picklable Python objects. A list/tuple from each rank is concatenated in
-    rank order; any other object gives the list ``[obj_rank0, obj_rank1, ...]``.
+    rank order; any other object gives the list ``[obj_rank0, obj_rank1, ...]``. ``ranks``:
+    keep only these ranks' objects, in this order (as in :func:`gather`).
 
     Example::
 
@@ -105,6 +112,7 @@ def gather_object(state: DistributedState, obj: Any) -> list:
         return list(obj) if isinstance(obj, (list, tuple)) else [obj]
     out: list = [None] * state.world_size
     dist.all_gather_object(out, obj, group=state.group)
+    out = _keep(out, ranks)
     if all(isinstance(o, (list, tuple)) for o in out):
         return [x for part in out for x in part]
     return out
@@ -221,15 +229,28 @@ def pad_across_processes(
     return tree_map_tensors(one, tree)
 
 
-@tracked("gather_for_metrics", lambda tree, remainder=None: tree_signature(tree) if _has_tensors(tree) else "")
-def gather_for_metrics(state: DistributedState, tree: Any, remainder: Optional[int]) -> Any:
+# [Note: metrics over data-parallel ranks]
+# Under tensor or sequence parallelism the ranks of one TP/SP group read the same batch
+# (parallel/mesh.py: the loader is sharded by data-parallel rank), so a plain all-gather
+# returns every sample tp * sp times, and the even-batching ``remainder`` (counted in samples
+# of the global batch) cuts the wrong ones. ``gather_for_metrics`` therefore keeps, from the
+# world's gather, only the ranks that share this rank's (sp, tp) place, in data-parallel
+# order (``Accelerator._data_ranks``): each sample once. Values a TP group holds replicated
+# (labels, whole logits) come back the same on every rank; under SP, per-token values of a
+# rank's slice come back as that slice of every sample.
+@tracked("gather_for_metrics", lambda tree, remainder=None, ranks=None: tree_signature(tree)
+         if _has_tensors(tree) else "")
+def gather_for_metrics(state: DistributedState, tree: Any, remainder: Optional[int],
+                       ranks: Optional[tuple] = None) -> Any:
     """Gather predictions/labels for metrics and drop the duplicated samples that even
     sharding appended to the last global batch.
 
     ``remainder`` is how many real samples the gathered (global) batch holds: pass the
     sharded loader's ``remainder`` for its last batch (see
     :func:`mixprec.data.shard_dataloader`) and ``None`` for the other batches (nothing is
-    dropped). Non-tensor leaves are gathered with :func:`gather_object`.
+    dropped). Non-tensor leaves are gathered with :func:`gather_object`. ``ranks``: the
+    ranks holding distinct samples, one per data-parallel rank ([Note: metrics over
+    data-parallel ranks]); None: every rank.
 
     Example::
 
@@ -246,9 +267,9 @@ def gather_for_metrics(state: DistributedState, tree: Any, remainder: Optional[i
     has_tensor = []
     tree_map_tensors(lambda t: has_tensor.append(t) or t, tree)
     if has_tensor:
-        gathered = gather(state, tree)
+        gathered = gather(state, tree, ranks)
     else:
-        gathered = gather_object(state, tree)
+        gathered = gather_object(state, tree, ranks)
         return gathered if remainder is None else gathered[:remainder]
     if remainder is None:
         return gathered

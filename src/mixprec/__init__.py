@@ -46,6 +46,8 @@ from .notebook import NotebookLaunchError, notebook_launcher
 from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
+from .utils import find_executable_batch_size
+from .wrappers.dataloader import skip_first_batches
 
 __version__ = "0.1.0"
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "CollectiveDesyncError",
     "ConfigError",
     "doctor",
+    "find_executable_batch_size",
     "MixprecConfig",
     "MixprecDtypeError",
     "MixprecError",
@@ -80,6 +83,7 @@ __all__ = [
     "ScalerConfig",
     "StaleGradientsWarning",
     "set_leaf_modules",
+    "skip_first_batches",
     "StepResult",
     "summon_full_params",
     "UnitOrderError",

@@ -107,6 +107,78 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         torch.use_deterministic_algorithms(True)
 
 
+_OOM_MESSAGES = (
+    " out of memory.",  # CUDA, HIP, XPU
+    "MPS backend out of memory",
+    "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
+    "DefaultCPUAllocator: can't allocate memory",
+    "FATAL ERROR :: MODULE:PT_DEVMEM Allocation failed",  # HPU
+)
+
+
+def should_reduce_batch_size(exception: BaseException) -> bool:
+    """True when ``exception`` is an out-of-memory error (Accelerate's test, the same messages)."""
+    if isinstance(exception, torch.cuda.OutOfMemoryError):
+        return True
+    if isinstance(exception, RuntimeError) and len(exception.args) == 1 and isinstance(exception.args[0], str):
+        return any(message in exception.args[0] for message in _OOM_MESSAGES)
+    return False
+
+
+def find_executable_batch_size(function: Callable = None, starting_batch_size: int = 128,
+                               reduce_batch_size_fn: Callable[[], int] = None):
+    """Accelerate's decorator: call ``function(batch_size, *args, **kwargs)`` with
+    ``starting_batch_size``, and again with a smaller one (``int(batch_size * 0.9)``, or what
+    ``reduce_batch_size_fn()`` returns) after each out-of-memory error, until it returns.
+
+    Example::
+
+        @find_executable_batch_size(starting_batch_size=64)
+        def train(batch_size, model):
+            ...
+        train(model)   # not train(64, model)
+    """
+    import functools
+    import gc
+    import inspect
+
+    if function is None:
+        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
+                                 reduce_batch_size_fn=reduce_batch_size_fn)
+    batch_size = starting_batch_size
+
+    def reduce() -> int:
+        return reduce_batch_size_fn() if reduce_batch_size_fn is not None else int(batch_size * 0.9)
+
+    def clear() -> None:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    @functools.wraps(function)
+    def decorator(*args, **kwargs):
+        nonlocal batch_size
+        clear()
+        params = list(inspect.signature(function).parameters)
+        if len(params) < len(args) + 1:
+            given = ", ".join(f"{p}={v!r}" for p, v in zip(params[1:], args[1:]))
+            raise TypeError(f"{function.__name__}() got the batch size as its first argument; the decorator passes "
+                            f"it: call {function.__name__}({given})")
+        while True:
+            if batch_size <= 0:
+                raise RuntimeError(f"find_executable_batch_size: no batch size from {starting_batch_size} down "
+                                   f"to 1 fits in memory (reached {batch_size})")
+            try:
+                return function(batch_size, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised unless it is an out-of-memory error
+                if not should_reduce_batch_size(e):
+                    raise
+                clear()
+                batch_size = reduce()
+
+    return decorator
+
+
 def _process_index() -> int:
     from .compat.state import live_accelerator
 
@@ -125,6 +197,7 @@ _LAZY = {
     "GradScalerKwargs": "mixprec.compat.options",
     "InitProcessGroupKwargs": "mixprec.compat.options",
     "ProjectConfiguration": "mixprec.checkpoint.rotation",
+    "skip_first_batches": "mixprec.wrappers.dataloader",
     **{name: "mixprec.compat.functions" for name in (
         "gather", "gather_object", "broadcast", "broadcast_object_list", "reduce", "pad_across_processes")},
 }

@@ -226,24 +226,9 @@ class AccelerateApi:
         After :meth:`load_state` (Accelerate's resume idiom) the pass is the checkpointed
         pass's order from batch ``num_batches`` on, and the original loader's next pass is the
         next order: the uninterrupted run's batches (src/mixprec/wrappers/dataloader.py)."""
-        from ..wrappers.dataloader import PreparedDataLoader, SkippingDataLoader
+        from ..wrappers.dataloader import skip_first_batches
 
-        if not isinstance(dataloader, PreparedDataLoader):
-            raise TypeError(
-                f"skip_first_batches() needs a dataloader returned by accelerator.prepare(), got "
-                f"{type(dataloader).__name__}; prepare it first"
-            )
-        if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
-            raise ValueError(f"skip_first_batches(num_batches={num_batches!r}) needs an int >= 0")
-        if getattr(dataloader, "_mixprec_resume_pending", False) and num_batches:
-            # A StatefulDataLoader's loaded state already positions the next pass: skipping
-            # again would drop batches (Accelerate: "should not be used" with one).
-            raise ValueError(
-                f"skip_first_batches(loader, {num_batches}) on a use_stateful_dataloader loader whose state was just "
-                f"loaded (load_state / load_state_dict): the next pass already starts after the batches the "
-                f"checkpoint consumed, so skipping {num_batches} more would drop them; iterate the loader itself"
-            )
-        return SkippingDataLoader(dataloader, num_batches)
+        return skip_first_batches(dataloader, num_batches)
 
     # ------------------------------------------------------------------ sync
     @contextlib.contextmanager

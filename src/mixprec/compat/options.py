@@ -24,14 +24,28 @@ from typing import Any, Optional
 
 
 class DistributedType(str, enum.Enum):
-    """Accelerate's ``DistributedType`` values this library can be in. A ``str`` enum, so it
-    compares equal to Accelerate's own members (``DistributedType.MULTI_CPU == "MULTI_CPU"``)."""
+    """Accelerate's ``DistributedType``, every member (so a script's
+    ``if accelerator.distributed_type == DistributedType.XLA:`` runs). A ``str`` enum, so it
+    compares equal to Accelerate's own members (``DistributedType.MULTI_CPU == "MULTI_CPU"``).
+    A mixprec Accelerator is only ever ``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``FSDP`` or
+    ``DEEPSPEED`` (the ZeRO backends); the others exist for the comparisons. ``TPU`` is
+    older Accelerate's name of ``XLA`` (an alias: ``DistributedType.TPU is DistributedType.XLA``)."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
-    FSDP = "FSDP"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
     DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
+    TPU = "XLA"
 
 
 @dataclasses.dataclass

@@ -153,4 +153,27 @@ class SkippingDataLoader(PreparedDataLoader):
         return it
 
 
+def skip_first_batches(dataloader: PreparedDataLoader, num_batches: int = 0) -> SkippingDataLoader:
+    """``accelerate.skip_first_batches`` (also ``Accelerator.skip_first_batches``): the
+    prepared ``dataloader`` without the first ``num_batches`` batches of each pass; after
+    ``load_state``, the checkpointed pass from batch ``num_batches`` on (see
+    :class:`SkippingDataLoader`)."""
+    if not isinstance(dataloader, PreparedDataLoader):
+        raise TypeError(
+            f"skip_first_batches() needs a dataloader returned by accelerator.prepare(), got "
+            f"{type(dataloader).__name__}; prepare it first"
+        )
+    if not isinstance(num_batches, int) or isinstance(num_batches, bool) or num_batches < 0:
+        raise ValueError(f"skip_first_batches(num_batches={num_batches!r}) needs an int >= 0")
+    if getattr(dataloader, "_mixprec_resume_pending", False) and num_batches:
+        # A StatefulDataLoader's loaded state already positions the next pass: skipping
+        # again would drop batches (Accelerate: "should not be used" with one).
+        raise ValueError(
+            f"skip_first_batches(loader, {num_batches}) on a use_stateful_dataloader loader whose state was just "
+            f"loaded (load_state / load_state_dict): the next pass already starts after the batches the "
+            f"checkpoint consumed, so skipping {num_batches} more would drop them; iterate the loader itself"
+        )
+    return SkippingDataLoader(dataloader, num_batches)
+
+
 _DONE = object()

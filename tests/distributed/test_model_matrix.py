@@ -225,9 +225,15 @@ def _matrix(state, kinds):
 
     # The references are split between the two ranks (f64 and f32 on rank 0, the other two
     # summation orders on rank 1) and gathered: each rank trains two of them per type.
-    mine_variants = ("f64", "f32") if dist.get_rank() == 0 else ("micro", "blocks")
+    mine_variants = ("f64", "f32") if state.rank == 0 else ("micro", "blocks")
     out = {}
     for kind in kinds:
+        if not dist.is_initialized():  # the last Accelerator's end_training() took the group down
+            import torch
+
+            from mixprec.distributed import init_distributed
+
+            init_distributed(torch.device("cpu"))
         try:
             mine = [_reference(kind, v) for v in mine_variants]
         except NotBuilt as e:

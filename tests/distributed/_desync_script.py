@@ -46,10 +46,14 @@ if case == "sp_clip":
     model = Attention()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 model, opt = acc.prepare(model, opt)
+# Under SP each rank holds its own slice of the sequence (the same values on every rank of an
+# SP group are refused as an unsliced sequence, src/mixprec/parallel/sequence/ulysses.py);
+# under TP every rank of the group gets the same data (checked too).
+offset = rank if case == "sp_clip" else 0
 
 
 def step():
-    loss = model(torch.randn(4, 8)).pow(2).mean()
+    loss = model(torch.randn(4, 8) + offset).pow(2).mean()
     acc.backward(loss)  # MARK:backward
     opt.step()  # MARK:step
     opt.zero_grad()
@@ -78,7 +82,7 @@ try:
             acc.wait_for_everyone()  # MARK:wait
         step()
     elif case in ("clip", "tp_clip", "sp_clip"):
-        acc.backward(model(torch.randn(4, 8)).pow(2).mean())
+        acc.backward(model(torch.randn(4, 8) + offset).pow(2).mean())
         if rank == 0:
             acc.clip_grad_norm_(model.parameters(), 1.0)  # MARK:clip
         opt.step()  # MARK:clip_step

@@ -99,3 +99,41 @@ def test_config_layer_kinds_are_refused_naming_the_layer():
 ])
 def test_class_name_words(name, mixer):
     assert _mixer_name(name) is mixer
+
+
+# [Note: windowed attention under SP]: a sequence longer than the smallest window raises at
+# that forward (the window would be lost over the slices); within it, Ulysses runs.
+class _WindowAttention(_Attention):
+    def __init__(self, window):
+        super().__init__()
+        self.sliding_window = window
+
+
+def test_window_limit_is_the_smallest_window_named():
+    from mixprec.parallel.sequence.ulysses import _window_limit
+
+    assert _window_limit(_Model(_Attention(), _WindowAttention(None))) is None
+    size, what = _window_limit(_Model(_WindowAttention(None), _WindowAttention(64), _WindowAttention(16)))
+    assert size == 16 and "'layers.2.mixer' (_WindowAttention)" in what
+    mistral_like = _Model(_Attention())  # the config's window on every layer (Mistral, Phi3)
+    mistral_like.layers[0].mixer.config = types.SimpleNamespace(sliding_window=32)
+    assert _window_limit(mistral_like)[0] == 32
+    mistral_like.layers[0].mixer.config.use_sliding_window = False  # Qwen2-style switch off
+    assert _window_limit(mistral_like) is None
+
+
+def test_sequence_longer_than_the_window_raises_under_sp():
+    from mixprec.parallel.sequence.ulysses import _UlyssesMode
+
+    class _Stub:
+        size = 2
+
+        def attention(self, *args, **kwargs):
+            return "ran"
+
+    q = torch.zeros(1, 2, 5, 4)  # this rank's slice of 5 tokens: 10 over the SP group
+    with _UlyssesMode(_Stub(), None, (8, "sliding window of 8 tokens of module 'x' (A)")):
+        with pytest.raises(UnsupportedAttentionError, match="10 tokens, more than the sliding window of 8"):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with _UlyssesMode(_Stub(), None, (10, "w")):
+        assert torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True) == "ran"

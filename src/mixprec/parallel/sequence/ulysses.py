@@ -253,28 +253,72 @@ _SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax}
 
 
 class _UlyssesMode(TorchFunctionMode):
-    def __init__(self, ulysses: Ulysses, watch: Optional["_FirstForwardWatch"]) -> None:
+    def __init__(self, ulysses: Ulysses, watch: Optional["_FirstForwardWatch"],
+                 window: Optional[tuple[int, str]] = None) -> None:
         super().__init__()
         self.ulysses = ulysses
         self.watch = watch
+        self.window = window  # [Note: windowed attention under SP]
 
     def recompute_mode(self) -> "_UlyssesMode":
         """The mode an activation checkpoint's recomputation in backward runs in: this SP group
         and the padding mask of the batch this forward saw, unwatched ([Note: recomputation
         replays the forward's modes] in mixprec/activation_checkpointing.py)."""
-        return _UlyssesMode(copy.copy(self.ulysses), None)
+        return _UlyssesMode(copy.copy(self.ulysses), None, self.window)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
+            query = args[0] if args else kwargs["query"]
+            if self.window is not None and query.shape[-2] * self.ulysses.size > self.window[0]:
+                raise UnsupportedAttentionError(
+                    f"this forward's sequence has {query.shape[-2] * self.ulysses.size} tokens, more than the "
+                    f"{self.window[1]}: under sequence parallelism each rank's slice is shorter than the window, "
+                    "so the model builds a plain causal mask and the window would be lost (a different model). "
+                    f"Train with sequences of at most {self.window[0]} tokens, or sequence_parallel.size: 1")
             if self.watch is not None and not self.watch.sliced_checked:
                 self.watch.sliced_checked = True  # the first attention of the first forward
-                self.ulysses.check_sliced_across(args[0] if args else kwargs["query"],
-                                                 args[3] if len(args) > 3 else kwargs.get("attn_mask"))
+                self.ulysses.check_sliced_across(query, args[3] if len(args) > 3 else kwargs.get("attn_mask"))
             return self.ulysses.attention(*args, **kwargs)
         if self.watch is not None and func in _SOFTMAX:
             self.watch.softmax(args[0] if args else kwargs.get("input"))
         return func(*args, **kwargs)
+
+
+# [Note: windowed attention under SP]
+# A sliding-window layer (HF: ``module.sliding_window``, or Mistral's ``config.sliding_window``
+# on every layer) or chunked attention (Llama 4's ``attention_chunk_size``) gets its window
+# from the mask the model builds. Under SP the model builds it over its slice of S/P tokens:
+# the window is not visible there when S/P <= window, and Ulysses replaces the (causal-looking)
+# mask by the whole sequence's causal mask, so a sequence longer than the window would attend
+# past it, silently. Such models run only while the whole sequence fits in the smallest
+# window (where the window changes nothing); a longer sequence raises at that forward, naming
+# the module and the window. (Sequences within the window are the model matrix's case.)
+def _window_limit(model: nn.Module) -> Optional[tuple[int, str]]:
+    """(the smallest attention window of ``model``, its description), or None."""
+    best: Optional[tuple[int, str]] = None
+
+    def offer(size: Any, what: str) -> None:
+        nonlocal best
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0 and (best is None or size < best[0]):
+            best = (size, what)
+
+    for path, module in model.named_modules():
+        if not _looks_like_attention(module):
+            continue
+        cfg = getattr(module, "config", None)
+        where = f"module {path!r} ({type(module).__name__})"
+        if "sliding_window" in vars(module):
+            offer(module.sliding_window, f"sliding window of {module.sliding_window} tokens of {where}")
+        elif cfg is not None and getattr(cfg, "use_sliding_window", True) is not False:
+            window = getattr(cfg, "sliding_window", None)
+            offer(window, f"sliding window of {window} tokens of {where} (config.sliding_window)")
+    cfg = getattr(model, "config", None)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    kinds = getattr(cfg, "layer_types", None) or ()
+    if chunk is not None and (not kinds or "chunked_attention" in kinds):
+        offer(chunk, f"attention chunk of {chunk} tokens of {type(model).__name__} (config.attention_chunk_size)")
+    return best
 
 
 def _looks_like_attention(module: nn.Module) -> bool:
@@ -468,16 +512,17 @@ def forward_context(model: nn.Module, ulysses: Ulysses) -> Callable[[], Any]:
     """The context a prepared model's forward runs in (``ForwardContext.around``); the first
     forward is watched for attention that bypasses SDPA."""
     checked = [False]
+    window = _window_limit(model)
 
     @contextlib.contextmanager
     def around():
         if checked[0]:
-            with _UlyssesMode(ulysses, None):
+            with _UlyssesMode(ulysses, None, window):
                 yield
             return
         watch = _FirstForwardWatch(model, ulysses)
         try:
-            with _UlyssesMode(ulysses, watch):
+            with _UlyssesMode(ulysses, watch, window):
                 yield
         finally:
             watch.close()

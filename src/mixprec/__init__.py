@@ -43,6 +43,7 @@ from .errors import (
     UnshardedParameterError,
 )
 from .notebook import NotebookLaunchError, notebook_launcher
+from .parallel.materialize import init_empty_weights
 from .parity import ParityReport, ParityTolerance, parity_check
 from .policy import PrecisionPolicy, ScalerConfig
 from .step import StepResult
@@ -58,6 +59,7 @@ __all__ = [
     "DistributedType",
     "GatheredParameters",
     "GradientAccumulationPlugin",
+    "init_empty_weights",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "PartialState",

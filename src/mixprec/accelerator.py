@@ -36,6 +36,7 @@ from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
 from .engines import Engine, gathered, resolve_backend
 from .errors import NotPreparedError
+from .parallel import materialize
 from .parallel import sequence as sequence_parallel
 from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
@@ -567,6 +568,18 @@ class Accelerator(AccelerateApi):
                 out[i] = self.prepare_scheduler(obj)
         return out[0] if len(out) == 1 else tuple(out)
 
+    @staticmethod
+    def init_empty_weights(include_buffers: bool = False):
+        """Accelerate's ``init_empty_weights``: parameters created inside are on the meta device
+        (no memory); ``prepare()`` materialises them, under tensor parallelism only this rank's
+        shards ([Note: materialising a meta model shard by shard] in parallel/materialize.py)::
+
+            with accelerator.init_empty_weights():
+                model = AutoModelForCausalLM.from_config(config)
+            model = accelerator.prepare(model)
+        """
+        return materialize.init_empty_weights(include_buffers)
+
     def prepare_model(self, model: nn.Module) -> nn.Module:
         self._check_not_reset()
         if isinstance(model, PreparedOptimizer):
@@ -577,8 +590,16 @@ class Accelerator(AccelerateApi):
         checkpointed = act_ckpt.plan(model, self.config.config.activation_checkpointing, self.engine)
         if self._ulysses is not None:
             sequence_parallel.check_model(model)
+        if materialize.has_meta(model) and not self._tp:  # TP materialises shard by shard
+            materialize.materialize(model, self.device, self.state.group)
         if self._tp:
-            model.to(self.device)
+            if materialize.has_meta(model):
+                for m in model.modules():  # the buffers (real); the meta parameters stay for the split
+                    for k, b in m._buffers.items():
+                        if b is not None:
+                            m._buffers[k] = b.to(self.device)
+            else:
+                model.to(self.device)
             tensor_parallel.prepare_model(model, self.engine, self.mesh, self.config.config.tensor_parallel,
                                           self.state.group)
         self.engine.prepare_model(model, self._autocast_gate)
@@ -772,10 +793,24 @@ class Accelerator(AccelerateApi):
             restore_class(model)
         return model
 
-    @desync.tracked("get_state_dict", desync.plain_signature)
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         """Full-precision state dict: parameters from the fp32 masters where there are, whole
-        under tensor parallelism (a collective then: every rank calls it)."""
+        under tensor parallelism. A collective (every rank calls it) only where the weights
+        must be gathered: zero3/fsdp, tensor parallelism, zero1/2 with low-precision stored
+        parameters. Elsewhere (ddp, zero1/2 in fp32 storage) one rank may call it alone,
+        e.g. under ``if accelerator.is_main_process:``, also after :meth:`end_training`."""
+        if tensor_parallel.layout_of(model) is None and self.engine.comm.full_state_is_local(model):
+            return self.engine.full_state_dict(model)
+        if self._ended:
+            raise RuntimeError(
+                f"get_state_dict() after end_training(): {type(model).__name__}'s full weights are gathered from "
+                f"the {self.backend} shards over the process group, which end_training() released; call "
+                f"get_state_dict(model) (or save_pretrained/save_model) before accelerator.end_training()"
+            )
+        return self._gathered_state_dict(model)
+
+    @desync.tracked("get_state_dict", desync.plain_signature)
+    def _gathered_state_dict(self, model: nn.Module) -> dict:
         return tensor_parallel.full_state_dict(model, self.engine.full_state_dict(model))
 
     @property

@@ -100,6 +100,12 @@ class Comm:
     def fill_full_state(self, model: nn.Module, state: dict) -> None:
         """Put the full fp32 value of every parameter this comm shards into ``state``."""
 
+    def full_state_is_local(self, model: nn.Module) -> bool:
+        """True when :meth:`fill_full_state` needs no collective (nothing is sharded, or the
+        model's own parameters are the fp32 masters): ``get_state_dict`` may then run on one
+        rank alone, and after ``release()``."""
+        return True
+
     # --------------------------------------------------------------- optimizers
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point ``optimizer`` at what it steps (sharded: this rank's segments)."""
@@ -251,7 +257,9 @@ def start_replicas(model: nn.Module, group: dist.ProcessGroup, group_name: str) 
     give every rank rank 0's parameters and buffers, in the dtypes given (before any
     low-precision cast, so fp32 masters are exact everywhere)."""
     check_same_model(model, group)
-    state = [t.detach() for t in model.parameters()] + list(model.buffers())
+    # Meta parameters have no values yet: every rank materialises the same ones from one
+    # seed ([Note: materialising a meta model shard by shard] in parallel/materialize.py).
+    state = [t.detach() for t in model.parameters() if not t.is_meta] + list(model.buffers())
     with torch.no_grad():
         _C.broadcast_coalesced(state, group_name, 0)
 

@@ -46,7 +46,7 @@ def tp_group(mesh: Mesh) -> TPGroup:
 def prepare_model(model: nn.Module, engine: Any, mesh: Mesh, tp_config: Any, world_group: Any) -> TPLayout:
     """Split ``model`` by its plan and tell the engine's comm which parameters are split."""
     tp = tp_group(mesh)
-    layout = apply_tensor_parallel(model, tp_config, tp, world_group=world_group)
+    layout = apply_tensor_parallel(model, tp_config, tp, world_group=world_group, device=engine.device)
     engine.comm.attach_tp(tp, world_group.group_name, layout.split_ids)
     return layout
 

@@ -96,10 +96,16 @@ def _kv_heads(model: nn.Module) -> Optional[int]:
     return getattr(config, "num_key_value_heads", None) if config is not None else None
 
 
-def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, world_group: Any = None) -> TPLayout:
-    """Split ``model`` in place by its plan for this rank of ``tp`` (see the module docstring)."""
+def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, world_group: Any = None,
+                          device: Optional[torch.device] = None) -> TPLayout:
+    """Split ``model`` in place by its plan for this rank of ``tp`` (see the module docstring).
+    A model built on the meta device is materialised module by module, each split module
+    right before its split ([Note: materialising a meta model shard by shard] in
+    parallel/materialize.py)."""
     from ...engines.comm import start_replicas
+    from ..materialize import Materializer, has_meta
 
+    materializer = Materializer(model, device or torch.device("cpu"), world_group) if has_meta(model) else None
     if world_group is not None:
         start_replicas(model, world_group, world_group.group_name)
     plans = resolve_plan(model, tp_config)
@@ -135,11 +141,14 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     layout = TPLayout(tp, plans, {}, {})
     for name, plan in plans.items():
         module = modules[name]
+        if plan.style != "grad_allreduce" and plan.style not in SPLIT_STYLES:
+            continue
+        if materializer is not None:  # this module whole, right before its split
+            for old_id, new in materializer.module(name, module).items():
+                names_of[id(new)] = names_of.pop(old_id, [])
         if plan.style == "grad_allreduce":
             for p in module.parameters(recurse=False):
                 layout.grad_allreduce_ids.add(id(p))
-            continue
-        if plan.style not in SPLIT_STYLES:
             continue
         if _kv_replicated(name, plan, kv, tp):
             replicate_kv_module(module, plan, tp, head_dim, kv)
@@ -172,6 +181,8 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 mod._parameters[attr] = done[id(p)][0]
     layout.replaced = {id(old): (weakref.ref(old), done[id(old)][0]) for old in keep_alive if id(old) in done}
     del keep_alive
+    if materializer is not None:
+        materializer.rest()
     _localise_heads(model, plans, tp, kv)
     _install_split_rng(model, plans, tp)
     for p in model.parameters():

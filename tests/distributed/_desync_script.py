@@ -25,8 +25,11 @@ if case == "tp_clip":  # tensor parallelism: the first Linear column-split, the 
         {"patterns": ["^0$"], "partition_type": "column"}, {"patterns": ["^2$"], "partition_type": "row"}]}}
 if case == "sp_clip":  # sequence parallelism: the forward runs Ulysses all-to-alls on the SP group
     config["sequence_parallel"] = {"size": 2}
+# state_dict: zero2 with bf16-stored parameters, where get_state_dict gathers the fp32 masters
+# (with fp32-stored ones, as on ddp, one rank may call it alone: the parameters are the masters).
 acc = Accelerator(cpu=True, log_policy=False, backend=backend,
                   config=config,
+                  **({"mixed_precision": "bf16", "param_dtype": torch.bfloat16} if case == "state_dict" else {}),
                   even_batches=False if case.startswith("uneven") else None,
                   timeout=datetime.timedelta(seconds=timeout if short_pg else 1800))
 rank = acc.process_index

@@ -83,7 +83,7 @@ def _assert_report(results, must: list[str], blamed: str):
 
 
 @pytest.mark.parametrize("case,backend_call,mark", [
-    ("state_dict", "get_state_dict", "state_dict"),   # zero2
+    ("state_dict", "get_state_dict", "state_dict"),   # zero2, bf16-stored parameters
     ("gather", "gather", "gather"),                   # ddp
     ("wait", "wait_for_everyone", "wait"),            # ddp
     ("reduce", "reduce", "reduce"),                   # ddp

@@ -160,8 +160,11 @@ class AccelerateApi:
     def save(self, obj: Any, f, safe_serialization: bool = False) -> None:
         """Write ``obj`` to ``f`` on the main process (``torch.save``; with
         ``safe_serialization=True`` a dict of tensors as safetensors)."""
+        from ..engines.gathered import refuse_ungathered_save
+
         if self.state.rank != 0:
             return
+        refuse_ungathered_save(obj, "accelerator.save")  # before a file is opened
         if safe_serialization:
             from safetensors.torch import save_file
 

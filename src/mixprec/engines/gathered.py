@@ -46,6 +46,8 @@ rank0_only=False)`` is a collective: every rank of the group enters it.
 from __future__ import annotations
 
 import collections
+import collections.abc
+import functools
 import weakref
 from typing import Iterable, Optional, Union
 
@@ -294,11 +296,71 @@ def guard_params(model: nn.Module, units, backend: str, world: int) -> int:
                 p.__class__ = ShardedParameter
                 p._mixprec_guard = _Guard(names.get(id(p), "?"), unit, backend, world)
                 count += 1
+    if count:
+        _install_save_guard()
     return count
 
 
 def is_guarded(t: torch.Tensor) -> bool:
     return isinstance(t, _GUARDED)
+
+
+# [Note: torch.save refuses before writing]
+# Pickling an ungathered zero3/fsdp parameter (or a view of one) raises, but torch.save has
+# opened (and truncated) its file by then and closes it on the way out: a truncated file
+# would be left, maybe in place of a good one. So once a parameter is guarded, torch.save
+# is wrapped: the object is searched for ungathered guarded tensors first (containers,
+# modules' parameters and buffers, a few levels deep) and the error is raised before the
+# file is touched. Anything else goes to torch's own torch.save unchanged; the pickling
+# error stays the last line of defence for tensors hidden deeper in other objects.
+_SAVE_SCAN_DEPTH = 6
+
+
+def _ungathered_in(obj, depth: int = 0):
+    """The first guarded tensor in ``obj`` whose unit is not gathered, or None."""
+    if isinstance(obj, _GUARDED):
+        return None if obj._mixprec_guard.gathered() else obj
+    if depth >= _SAVE_SCAN_DEPTH or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.Tensor)):
+        return None
+    if isinstance(obj, nn.Module):
+        items = [t for _, t in obj.named_parameters(remove_duplicate=False)]
+        items += [t for _, t in obj.named_buffers()]
+    elif isinstance(obj, collections.abc.Mapping):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    else:
+        return None
+    for item in items:
+        found = _ungathered_in(item, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def refuse_ungathered_save(obj, what: str = "torch.save") -> None:
+    """Raise :class:`UnshardedParameterError` when ``obj`` holds an ungathered zero3/fsdp
+    parameter (or a view of one), before anything is written."""
+    found = _ungathered_in(obj)
+    if found is not None:
+        error = found._mixprec_guard.error(what)
+        raise UnshardedParameterError(f"{error} (refused before writing: no file was created or changed)",
+                                      params=error.params, units=error.units)
+
+
+def _install_save_guard() -> None:
+    """Wrap ``torch.save`` once ([Note: torch.save refuses before writing])."""
+    current = torch.save
+    if getattr(current, "_mixprec_save_guard", False):
+        return
+
+    @functools.wraps(current)
+    def save(obj, f, *args, **kwargs):
+        refuse_ungathered_save(obj)
+        return current(obj, f, *args, **kwargs)
+
+    save._mixprec_save_guard = True
+    torch.save = save
 
 
 # ---------------------------------------------------------------- the gathering context

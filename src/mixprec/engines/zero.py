@@ -189,9 +189,18 @@ class ShardedComm(GroupComm):
             core.zero_grad()
         self._folded = False
 
+    def full_state_is_local(self, model: nn.Module) -> bool:
+        # zero1/2 all-gather the updated masters into the model's parameters at every step
+        # (publish), rounded to their storage dtype: in fp32 storage they are the masters.
+        if self.options.shard_params:
+            return False
+        return all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad and p.is_floating_point())
+
     def fill_full_state(self, model: nn.Module, state: dict) -> None:
         """fp32 parameters gathered from the master shards. A collective: call it on every
-        rank."""
+        rank (unless :meth:`full_state_is_local`: the model's parameters are then the masters)."""
+        if self.full_state_is_local(model):
+            return
         by_id = {}
         for core in self.model_cores(model):
             by_id.update({id(p): t for p, t in zip(core.params, core.full_masters())})

@@ -137,6 +137,38 @@ def test_import_deepspeed(tmp_path, capsys):
     assert cfg.zero3.prefetch is False
 
 
+def test_a_deepspeed_or_accelerate_file_given_as_config_names_the_import_command(tmp_path, capsys, monkeypatch):
+    """Issue #36 point 7: Accelerator(config="ds_config.json") with a DeepSpeed JSON (and an
+    Accelerate YAML) is recognised, and the error names the command that converts it; the
+    command then works as named."""
+    from mixprec import Accelerator, ConfigError
+
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}))
+    acc_yaml = tmp_path / "default_config.yaml"
+    acc_yaml.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU",
+                                        "mixed_precision": "bf16", "num_processes": 2}))
+    for path, kind in ((ds, "is a DeepSpeed config"), (acc_yaml, "is an Accelerate config")):
+        with pytest.raises(ConfigError) as e:
+            Accelerator(cpu=True, config=str(path))
+        message = str(e.value)
+        assert kind in message and f"`mixprec config import {path} -o mixprec.yaml`" in message, message
+        assert "unknown config key" not in message
+        monkeypatch.setenv("MIXPREC_CONFIG_FILE", str(path))  # the environment's file: the same check
+        with pytest.raises(ConfigError, match="mixprec config import"):
+            resolve(None, world_size=1)
+        monkeypatch.delenv("MIXPREC_CONFIG_FILE")
+        out = tmp_path / f"{path.stem}-mixprec.yaml"
+        assert main(["config", "import", str(path), "-o", str(out)]) == 0  # the named command works
+        assert resolve(str(out), env={}, world_size=2).config.mixed_precision == "bf16"
+    # A mixprec file with a typo is still the unknown-key error with its suggestion.
+    typo = tmp_path / "mine.yaml"
+    typo.write_text("backend: zero2\nmixed_precison: bf16\n")
+    with pytest.raises(ConfigError, match="unknown config key 'mixed_precison'"):
+        resolve(str(typo), env={}, world_size=1)
+
+
 def test_import_deepspeed_fp16_scaler(tmp_path, capsys):
     src = tmp_path / "ds.json"
     src.write_text(json.dumps({"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale": 0},

@@ -107,6 +107,34 @@ def load_file(path: Union[str, os.PathLike]) -> dict:
     return data
 
 
+# Top-level keys that mark a DeepSpeed JSON or an Accelerate YAML (`mixprec config import`
+# converts both, src/mixprec/config/importers.py); only those mixprec has no key of its own for count.
+_DEEPSPEED_KEYS = {"zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu", "fp16", "bf16",
+                   "optimizer", "scheduler", "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+                   "activation_checkpointing", "sequence_parallel_size", "compile", "amp"}
+_ACCELERATE_KEYS = {"distributed_type", "compute_environment"}
+
+
+def refuse_foreign_format(data: Mapping, path: Union[str, os.PathLike]) -> None:
+    """Raise a :class:`ConfigError` naming ``mixprec config import`` when the file at ``path``
+    is a DeepSpeed or Accelerate config rather than a mixprec one."""
+    fields = block_fields(MixprecConfig)
+    unknown = [str(k) for k in data if k not in fields]
+    if not unknown:
+        return
+    if set(unknown) & _ACCELERATE_KEYS:
+        kind = "an Accelerate config (the YAML `accelerate config` writes)"
+    elif set(unknown) & _DEEPSPEED_KEYS:
+        kind = "a DeepSpeed config"
+    else:
+        return
+    raise ConfigError(
+        f"config file {str(path)!r} is {kind}, not a mixprec config (its keys {', '.join(unknown[:5])} are not "
+        f"mixprec's): convert it with `mixprec config import {path} -o mixprec.yaml` (it lists what each key "
+        f"became, was ignored or refused) and pass config='mixprec.yaml'"
+    )
+
+
 def flatten(data: Mapping, source: str, cls: type = MixprecConfig, prefix: str = "") -> dict[str, Any]:
     """``{dotted key: normalised value}`` of a nested mapping; unknown keys and wrong types
     raise a :class:`ConfigError` naming the key path and what is valid."""
@@ -217,7 +245,9 @@ def resolve(
     env_file = env.get(CONFIG_FILE_ENV)
     if env_file:
         files.append(str(Path(env_file)))
-        for path, value in flatten(load_file(env_file), f"file {env_file} (${CONFIG_FILE_ENV})").items():
+        data = load_file(env_file)
+        refuse_foreign_format(data, env_file)
+        for path, value in flatten(data, f"file {env_file} (${CONFIG_FILE_ENV})").items():
             add(path, value, f"file {env_file} (${CONFIG_FILE_ENV})")
     if isinstance(config, MixprecConfig):
         for path, value in flatten_object(config).items():
@@ -234,7 +264,9 @@ def resolve(
         same = env_file and Path(env_file).resolve() == Path(config).resolve()
         if not same:
             files.append(str(config))
-            for path, value in flatten(load_file(config), f"file {config}").items():
+            data = load_file(config)
+            refuse_foreign_format(data, config)
+            for path, value in flatten(data, f"file {config}").items():
                 add(path, value, f"file {config}")
     for path, (value, source) in read_env(env).items():
         add(path, value, source)

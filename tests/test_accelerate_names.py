@@ -37,7 +37,6 @@ GAPS = {
         "disk_offload": _BIG_MODEL,
         "dispatch_model": _BIG_MODEL,
         "infer_auto_device_map": _BIG_MODEL,
-        "init_empty_weights": _BIG_MODEL,
         "init_on_device": _BIG_MODEL,
         "load_checkpoint_and_dispatch": _BIG_MODEL,
         "load_checkpoint_in_model": _BIG_MODEL,

@@ -26,7 +26,7 @@ _SIZES = dict(
     n_inner=64, ffn_hidden_size=64, sliding_window=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     # dropout off: the runs are compared with a float64 one, mask for mask
     hidden_dropout=0.0, attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, summary_first_dropout=0.0,
+    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, summary_first_dropout=0.0, residual_dropout=0.0,
 )
 
 

@@ -18,7 +18,11 @@ import re
 
 # torch: 2.13 is built and tested in CI; 2.11 and 2.12 are compile-checked against their
 # headers (.ci/torch_headers_check.sh). Only what is built and tested is claimed (docs/building.md).
-REQUIRES = ["torch>=2.11,<2.14", "safetensors>=0.4", "pyyaml>=6"]
+# numpy: torch does not depend on it, but its object collectives (all_gather_object,
+# broadcast_object_list: mixprec's structure check, checkpoints, dataloader order) read the
+# received bytes through Tensor.numpy(); without it every multi-process run fails
+# (tests/test_dependencies.py, .ci/wheel_check.sh).
+REQUIRES = ["torch>=2.11,<2.14", "safetensors>=0.4", "pyyaml>=6", "numpy>=1.22"]
 
 
 def _pinned(requires, torch_version):

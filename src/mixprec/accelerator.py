@@ -603,6 +603,7 @@ class Accelerator(AccelerateApi):
             tensor_parallel.prepare_model(model, self.engine, self.mesh, self.config.config.tensor_parallel,
                                           self.state.group)
         self.engine.prepare_model(model, self._autocast_gate)
+        _gather_for_save_pretrained(self, model)
         if self._ulysses is not None:
             sequence_parallel.prepare_model(model, self._ulysses)
         act_ckpt.apply(checkpointed, self.config.config.activation_checkpointing.selective)  # after the engine:
@@ -1407,3 +1408,25 @@ def check_device_supports(device: torch.device, policy: PrecisionPolicy) -> None
             f"mixed_precision={policy.name!r}: autocast on {str(device)!r} does not compute in "
             f"{name} (got {out.dtype}); {fix}"
         )
+
+
+def _gather_for_save_pretrained(acc: "Accelerator", model: nn.Module) -> None:
+    """zero3/fsdp/TP: give the prepared model's context the gather its ``save_pretrained``
+    uses ([Note: save_pretrained of a sharded model] in src/mixprec/wrappers/model.py). Weak
+    references: the model does not keep the Accelerator alive."""
+    from .engines.gathered import is_guarded
+
+    ctx = getattr(model, "_mixprec_ctx", None)
+    if ctx is None or not (tensor_parallel.layout_of(model) is not None
+                           or any(is_guarded(p) for p in model.parameters())):
+        return
+    acc_ref, model_ref = weakref.ref(acc), weakref.ref(model)
+
+    def gather() -> dict:
+        owner, m = acc_ref(), model_ref()
+        if owner is None or m is None:
+            raise RuntimeError("save_pretrained() of a zero3/fsdp/TP model whose Accelerator is gone: its full "
+                               "weights cannot be gathered; pass state_dict= taken with accelerator.get_state_dict(model)")
+        return owner.get_state_dict(m)
+
+    ctx.full_state_dict = gather

@@ -14,6 +14,7 @@ assertions are made here on what the ranks return.
 
 from __future__ import annotations
 
+import pytest
 from harness import run_distributed
 
 BACKENDS = ["ddp", "zero2", "zero3", "fsdp"]
@@ -107,3 +108,95 @@ def test_load_state_then_skip_first_batches_gives_the_uninterrupted_batches(tmp_
             assert [x for _, x in positioned] == [x for _, x in full[SAVE_AGAIN_AT:]], where
     # Every rank saw its own share: the two ranks' batches differ.
     assert [b for b, _ in results[0]["ddp"]["full"]] != [b for b, _ in results[1]["ddp"]["full"]]
+
+
+IDIOM_BACKENDS = ["ddp", "zero2", "zero3", "fsdp"]
+SAVE_EVERY = 6  # checkpointing_steps: step_6 is inside epoch 0 (10 steps per epoch)
+
+
+def _idioms(state, backends, out):
+    """transformers' run_clm_no_trainer.py loop, its idioms in its order, on a tiny GPT-2
+    (tied input/output embeddings): set_seed, get_logger, DistributedType checks,
+    checkpointing by steps, load_state + skip_first_batches, unwrap_model().save_pretrained(
+    is_main_process=..., save_function=accelerator.save) on every rank, end_training. An
+    uninterrupted run, then one resumed from step_6."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from mixprec import Accelerator, DistributedType
+    from mixprec.logging import get_logger
+    from mixprec.utils import set_seed
+
+    logger = get_logger("idioms")
+    g = torch.Generator().manual_seed(7)
+    data = [{"input_ids": torch.randint(0, 64, (12,), generator=g)} for _ in range(N)]
+    results = {}
+    for backend in backends:
+        runs = {}
+        for mode in ("full", "resumed"):
+            set_seed(0)
+            accelerator = Accelerator(cpu=True, backend=backend, log_policy=False)
+            model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16))
+            train_dataloader = DataLoader(data, shuffle=True, batch_size=2)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+            if accelerator.distributed_type == DistributedType.TPU:  # the scripts' line (an alias of XLA)
+                model.tie_weights()
+            starting_epoch, resume_step, completed_steps = 0, None, 0
+            if mode == "resumed":
+                accelerator.load_state(f"{out}/{backend}/step_{SAVE_EVERY}")
+                resume_step = SAVE_EVERY  # the scripts read it from the folder's name
+                starting_epoch = resume_step // len(train_dataloader)
+                completed_steps = resume_step
+                resume_step -= starting_epoch * len(train_dataloader)
+            losses = {}
+            for epoch in range(starting_epoch, EPOCHS):
+                model.train()
+                if mode == "resumed" and epoch == starting_epoch and resume_step is not None:
+                    active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_step)
+                else:
+                    active_dataloader = train_dataloader
+                for batch in active_dataloader:
+                    with accelerator.accumulate(model):
+                        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+                        accelerator.backward(loss)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    if accelerator.sync_gradients:
+                        completed_steps += 1
+                        losses[completed_steps] = float(loss.detach())
+                    if mode == "full" and completed_steps % SAVE_EVERY == 0:
+                        accelerator.save_state(f"{out}/{backend}/step_{completed_steps}")
+                logger.info("epoch %d: loss %.4f", epoch, losses[completed_steps])
+            accelerator.wait_for_everyone()
+            unwrapped_model = accelerator.unwrap_model(model)
+            unwrapped_model.save_pretrained(f"{out}/{backend}/{mode}", is_main_process=accelerator.is_main_process,
+                                            save_function=accelerator.save)
+            full = accelerator.get_state_dict(model)
+            saved = None
+            if accelerator.is_main_process:
+                loaded = GPT2LMHeadModel.from_pretrained(f"{out}/{backend}/{mode}").state_dict()
+                saved = sorted(loaded) == sorted(full) and all(torch.equal(loaded[k], full[k].float()) for k in full)
+            runs[mode] = {"losses": losses, "saved": saved, "type": str(accelerator.distributed_type.value)}
+            accelerator.end_training()
+        results[backend] = runs
+    return results
+
+
+def test_the_no_trainer_idioms_resume_and_save_on_every_backend(tmp_path):
+    """Issue #36 points 2, 3 and 9: the resumed run's losses are the uninterrupted run's
+    from the checkpoint on (to the bit), and save_pretrained called on every rank writes
+    the full weights (zero3/fsdp included), equal to get_state_dict, loadable with
+    from_pretrained."""
+    pytest.importorskip("transformers")
+    results = run_distributed(_idioms, 2, args=(IDIOM_BACKENDS, str(tmp_path)), timeout=400)
+    for rank, r in enumerate(results):
+        for backend in IDIOM_BACKENDS:
+            full, resumed = r[backend]["full"], r[backend]["resumed"]
+            assert sorted(full["losses"]) == list(range(1, EPOCHS * N // 4 + 1)), (backend, full)
+            assert resumed["losses"] == {k: v for k, v in full["losses"].items() if k > SAVE_EVERY}, (rank, backend)
+            if rank == 0:
+                assert full["saved"] is True and resumed["saved"] is True, (backend, full["saved"], resumed["saved"])
+            expected = {"ddp": "MULTI_CPU", "zero2": "MULTI_CPU", "zero3": "FSDP", "fsdp": "FSDP"}[backend]  # compat/state.py
+            assert full["type"] == expected, (backend, full["type"])

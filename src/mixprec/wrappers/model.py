@@ -100,6 +100,10 @@ class ForwardContext:
         # A context the whole forward runs in (sequence parallelism's Ulysses attention,
         # parallel/sequence/ulysses.py), entered inside the policy's autocast; None: none.
         self.around: Optional[Callable[[], Any]] = None
+        # zero3/fsdp/TP: the module's own parameters are not its full weights; this gathers
+        # them (Accelerator.get_state_dict, a collective) for save_pretrained ([Note:
+        # save_pretrained of a sharded model]). None: the parameters are the weights.
+        self.full_state_dict: Optional[Callable[[], dict]] = None
 
     def __deepcopy__(self, memo) -> "ForwardContext":
         # A deep copy of a prepared model (an EMA copy, say) runs its forward under the
@@ -110,6 +114,7 @@ class ForwardContext:
         new.pre_forward = None
         new.on_zero_grad = None
         new.casts = None
+        new.full_state_dict = None  # the copy's parameters are its own, full ones
         return new
 
     def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -228,6 +233,24 @@ class _MixprecForward(SwappedForward):
             hook(self)
 
 
+class _GatheredSavePretrained:
+    """[Note: save_pretrained of a sharded model]
+    transformers' ``model.save_pretrained(dir, is_main_process=..., save_function=...)``
+    reads ``self.state_dict()``; on zero3/fsdp the parameters outside forward hold no data
+    (a guarded read raises) and under tensor parallelism they are this rank's slices. For
+    a Hugging Face model prepared there, the swapped class (mixin placed only where the
+    user's class has ``save_pretrained``) passes ``state_dict=`` the gathered full weights
+    (``ForwardContext.full_state_dict``: ``Accelerator.get_state_dict``, a collective) when
+    the caller gave none; every rank calls it, as the no_trainer scripts do, and the main
+    process writes. Called on one rank only, the gather is the named desync error."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        gather = self._mixprec_ctx.full_state_dict
+        if gather is not None and kwargs.get("state_dict") is None and len(args) < 2:
+            kwargs["state_dict"] = gather()
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+
 def swap_class(module: nn.Module, ctx: ForwardContext) -> None:
     """Make ``module`` run its forward through ``ctx`` (idempotent: re-prepare updates ctx)."""
     cls = type(module)
@@ -236,9 +259,10 @@ def swap_class(module: nn.Module, ctx: ForwardContext) -> None:
         return
     key = (cls, _MixprecForward)
     if key not in _SWAPPED:
+        extra = (_GatheredSavePretrained,) if callable(getattr(cls, "save_pretrained", None)) else ()
         _SWAPPED[key] = type(
             cls.__name__,
-            (_MixprecForward, cls),
+            (_MixprecForward, *extra, cls),
             {"__module__": cls.__module__, "_mixprec_original": cls},
         )
     object.__setattr__(module, "_mixprec_ctx", ctx)

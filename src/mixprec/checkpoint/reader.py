@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +30,36 @@ from safetensors import safe_open
 from . import format as fmt
 from .format import CheckpointError
 from .writer import check_coverage
+
+
+# What Accelerate's save_state writes (accelerate/utils/constants.py): weights, optimizer,
+# scheduler, sampler and RNG files, without mixprec's metadata.json and COMPLETE marker.
+_ACCELERATE_FILES = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.bin|"
+                               r"scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin|random_states_\d+\.pkl|scaler\.pt|"
+                               r"custom_checkpoint_\d+\.pkl|dl_state_dict(_\d+)?\.bin)$")
+
+
+def refuse_accelerate_folder(path: Path) -> None:
+    """Raise a :class:`CheckpointError` naming the format when ``path`` is a folder written by
+    Accelerate's ``save_state`` (a complete folder, in another format: not an interrupted save)."""
+    names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if (path / fmt.METADATA).exists():
+        return
+    theirs = [n for n in names if _ACCELERATE_FILES.match(n)]
+    if not any(n.startswith("random_states_") or n.startswith("optimizer") for n in theirs):
+        return
+    weights = next((n for n in theirs if n.startswith(("model", "pytorch_model"))), None)
+    carry = (f" To carry the weights over, load them into the model before prepare(): "
+             f"model.load_state_dict(safetensors.torch.load_file({str(path / weights)!r}))" if weights and
+             weights.endswith(".safetensors") else
+             f" To carry the weights over, load them into the model before prepare(): "
+             f"model.load_state_dict(torch.load({str(path / weights)!r}))" if weights else "")
+    raise CheckpointError(
+        f"checkpoint {str(path)!r} is a folder written by Accelerate's save_state ({', '.join(theirs[:5])}), not "
+        f"a mixprec checkpoint (metadata.json, tensors-rank*.safetensors, COMPLETE); mixprec does not read that "
+        f"format and has no converter for it: nothing was loaded.{carry} (optimizer, scheduler and RNG states then "
+        f"start fresh), and save with mixprec's save_state from there on"
+    )
 
 
 class CheckpointReader:
@@ -43,6 +74,7 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint directory {str(self.path)!r} does not exist; check the path")
         marker = self.path / fmt.COMPLETE
         if not marker.is_file():
+            refuse_accelerate_folder(self.path)
             raise CheckpointError(
                 f"checkpoint {str(self.path)!r} is incomplete (no {fmt.COMPLETE} marker: its save was "
                 "interrupted); nothing was loaded. Load an earlier checkpoint"

@@ -561,3 +561,36 @@ def test_stateful_dataloader_single_process_resumes(tmp_path):
     other.prepare(DataLoader(TensorDataset(torch.arange(20)), batch_size=4))
     with pytest.raises(Exception, match="global batch of 3; this run has 1 and 4"):
         other.load_state(str(tmp_path / "ckpt"))
+
+
+def test_skip_first_batches_after_a_loaded_stateful_position_is_refused():
+    """use_stateful_dataloader: the loaded state already positions the next pass, so
+    skip_first_batches(loader, n > 0) right after it raises instead of dropping n more
+    batches; any pass (the loader's or a skipping one) consumes the loaded position."""
+    from mixprec.checkpoint.dataloader import StatefulPreparedDataLoader
+    from mixprec.gradient_state import GradientState
+
+    class Positioned(DataLoader):  # torchdata's protocol: load_state_dict positions the next pass
+        skip = 0
+
+        def state_dict(self):
+            return {"skip": self.skip}
+
+        def load_state_dict(self, state):
+            self.skip = state["skip"]
+
+        def __iter__(self):
+            it = super().__iter__()
+            for _ in range(self.skip):
+                next(it)
+            self.skip = 0
+            return it
+
+    acc = _acc()
+    loader = StatefulPreparedDataLoader(Positioned(TensorDataset(torch.arange(8)), batch_size=2), None, GradientState(1))
+    loader.load_state_dict({"skip": 1})
+    with pytest.raises(ValueError, match=r"skip_first_batches\(loader, 2\) on a use_stateful_dataloader loader whose "
+                                         r"state was just loaded.*iterate the loader itself"):
+        acc.skip_first_batches(loader, 2)
+    assert [x.tolist() for (x,) in acc.skip_first_batches(loader, 0)] == [[2, 3], [4, 5], [6, 7]]
+    assert [x.tolist() for (x,) in acc.skip_first_batches(loader, 2)] == [[4, 5], [6, 7]]  # consumed: allowed again

@@ -198,10 +198,11 @@ class StatefulPreparedDataLoader(ResumableDataLoader):
 
     _mixprec_resume_pending = False  # load_state_dict() gave a position the next pass starts from
 
-    def __iter__(self):
+    def _mixprec_pass(self, skip_first: Optional[int]):
+        # Every pass, the loader's own or a skip_first_batches one, consumes a loaded state.
         self._mixprec_before_read = None
         self._mixprec_resume_pending = False
-        return super().__iter__()
+        return super()._mixprec_pass(skip_first)
 
     def state_dict(self) -> Optional[dict]:
         if self._mixprec_in_progress and self._mixprec_before_read is not None:

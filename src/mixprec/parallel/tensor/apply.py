@@ -134,12 +134,21 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     names_of: dict[int, list[str]] = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(pname)
-    done: dict[int, tuple] = {}  # id(original param) -> (new param, dim, sizes)
-    # The originals stay alive until the end: an id in `done` must never be reused by a new
-    # parameter made here (it would be taken for a tied original and swapped).
-    keep_alive: list = []
+    done: dict[int, tuple] = {}  # id(original param) -> (new param, dim, sizes, weakref(original))
     layout = TPLayout(tp, plans, {}, {})
-    for name, plan in plans.items():
+
+    def done_for(t):
+        """The split of ``t`` (an original parameter) made here, if ``t`` is that very tensor:
+        ids are addresses, and a tensor made here may reuse a freed original's (the whole
+        tensors a meta model is materialised into are freed as soon as they are split)."""
+        entry = done.get(id(t))
+        return entry if entry is not None and entry[3]() is t else None
+
+    # Largest modules first: materialising a meta model ([Note: materialising a meta model
+    # shard by shard] in parallel/materialize.py) then holds one whole large module while few
+    # shards exist, and only small ones later (the same order on every rank).
+    order = sorted(plans.items(), key=lambda kv: -sum(p.numel() for p in modules[kv[0]].parameters(recurse=False)))
+    for name, plan in order:
         module = modules[name]
         if plan.style != "grad_allreduce" and plan.style not in SPLIT_STYLES:
             continue
@@ -156,20 +165,20 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 layout.grad_allreduce_ids.add(id(p))
             continue
         originals = {"weight": module.weight, "bias": getattr(module, "bias", None)}
-        shared = done.get(id(originals["weight"]))
+        shared = done_for(originals["weight"])
         if shared is not None:
-            new_w, dim, sizes = shared
+            new_w, dim, sizes, _ = shared
             if (dim, sizes) != (style_dim(plan, module), plan.shape):
                 raise PlanError(f"{name}: its weight is shared (tied) with a module split on dim {dim}, but its own "
                                 f"plan splits dim {style_dim(plan, module)}; give both the same partition")
         full_shapes = {k: tuple(t.shape) for k, t in originals.items() if isinstance(t, torch.Tensor)}
-        keep_alive.extend(t for t in originals.values() if t is not None)
         for attr, new, dim in split_module(module, plan, tp):
             old = originals[attr]
-            if id(old) in done:  # tied: every owner holds the one split parameter
-                new = done[id(old)][0]
+            if done_for(old) is not None:  # tied: every owner holds the one split parameter
+                new = done_for(old)[0]
                 setattr(module, attr, new)
-            done[id(old)] = (new, dim, plan.shape if attr == "weight" or dim == 0 else None)
+            done[id(old)] = (new, dim, plan.shape if attr == "weight" or dim == 0 else None, weakref.ref(old))
+            layout.replaced[id(old)] = (weakref.ref(old), new)
             for pname in names_of.get(id(old), []):
                 layout.split[pname] = (dim, plan.shape)
                 layout.full_shapes[pname] = full_shapes[attr]
@@ -177,10 +186,8 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     # Tied modules elsewhere that still point at an original parameter get the split one.
     for mod in model.modules():
         for attr, p in list(mod._parameters.items()):
-            if p is not None and id(p) in done and p is not done[id(p)][0]:
-                mod._parameters[attr] = done[id(p)][0]
-    layout.replaced = {id(old): (weakref.ref(old), done[id(old)][0]) for old in keep_alive if id(old) in done}
-    del keep_alive
+            if p is not None and done_for(p) is not None and p is not done_for(p)[0]:
+                mod._parameters[attr] = done_for(p)[0]
     if materializer is not None:
         materializer.rest()
     _localise_heads(model, plans, tp, kv)

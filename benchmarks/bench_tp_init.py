@@ -72,7 +72,7 @@ def _rank(state, tp: int, meta: bool, m: dict) -> dict:
         model = _llama(m)
     model = acc.prepare(model)
     gc.collect()
-    out = {"peak": peak_bytes() - base, "resident": rss_bytes() - base,
+    out = {"mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"), "peak": peak_bytes() - base, "resident": rss_bytes() - base,
            "local_params": sum(p.numel() * p.element_size() for p in model.parameters()),
            "meta_left": any(p.is_meta for p in model.parameters())}
     acc.end_training()
@@ -80,14 +80,33 @@ def _rank(state, tp: int, meta: bool, m: dict) -> dict:
 
 
 def measure(m: dict, malloc: str) -> dict:
+    # glibc reads MALLOC_MMAP_THRESHOLD_ when a process starts: set in this process's
+    # environment before the ranks are spawned (they inherit it), put back after.
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if malloc == "default":
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    else:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    rows = {}
+    try:
+        rows = _measure_all(m)
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return rows
+
+
+def _measure_all(m: dict) -> dict:
     from mixprec.distributed.spawn import run_distributed
 
-    env = {} if malloc == "default" else {"MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = {}
     for name, (tp, meta) in {"meta tp=1": (1, True), "meta tp=2": (2, True), "eager tp=2": (2, False)}.items():
-        ranks = run_distributed(_rank, tp, args=(tp, meta, m), timeout=900, env=env)
+        ranks = run_distributed(_rank, tp, args=(tp, meta, m), timeout=900)
         assert not any(r["meta_left"] for r in ranks), ranks
         rows[name] = {k: max(r[k] for r in ranks) for k in ("peak", "resident", "local_params")}
+        rows[name]["mmap_threshold"] = ranks[0]["mmap_threshold"]
     return rows
 
 
@@ -95,7 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
-    from transformers import LlamaConfig  # noqa: F401 - fail early without transformers
+    import transformers  # noqa: F401 - fail early without transformers
 
     out = {}
     mib = 1 << 20

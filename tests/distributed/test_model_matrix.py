@@ -335,6 +335,8 @@ def test_every_model_type_is_right_or_refused_under_tp_and_sp():
     summary = (f"matched tp {len(matched['tp'])}, sp {len(matched['sp'])}; refused tp "
                f"{len(refused.get('tp', []))}, sp {len(refused.get('sp', []))}; not built {len(unbuilt)}")
     print(summary)
+    for mode in ("tp", "sp"):
+        print(f"matched {mode}: {' '.join(sorted(matched[mode]))}")
     for mode, rows in refused.items():
         for r in rows:
             print(f"refused {mode}: {r}")

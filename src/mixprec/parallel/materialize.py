@@ -126,9 +126,12 @@ class Materializer:
         return {id(p): new[pname] for pname, p in metas}
 
     def rest(self) -> None:
-        """Every parameter still on the meta device (modules no split touched)."""
+        """Every parameter still on the meta device (modules no split touched); then the
+        whole tensors freed along the way go back to the OS (glibc keeps freed heap chunks
+        resident otherwise, and they would count in the rank's memory until reused)."""
         for name, module in self.model.named_modules():
             self.module(name, module)
+        _trim_heap()
 
     def _initialise(self, name: str, module: nn.Module) -> None:
         if callable(self.init):
@@ -141,6 +144,18 @@ class Materializer:
     def _still_nan(module: nn.Module) -> bool:
         return any(p.dtype.is_floating_point and bool(torch.isnan(p).any())
                    for p in module.parameters(recurse=False))
+
+
+def _trim_heap() -> None:
+    """glibc's ``malloc_trim(0)`` where it exists (Linux); nothing elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def materialize(model: nn.Module, device: torch.device, group: Optional[Any] = None) -> None:

@@ -280,7 +280,7 @@ class Accelerator(AccelerateApi):
         if sp_size > 1:  # the (dp, sp, tp) mesh, TP x SP included
             self.mesh, self._ulysses = sequence_parallel.setup(comm_cls, self.state, sp_size, tp_size)
         if tp_size > 1:
-            comm_cls, self.mesh = tensor_parallel.setup(comm_cls, self.state, tp_size, self.mesh)
+            self.mesh = tensor_parallel.setup(comm_cls, self.state, tp_size, self.mesh)
         if creates_group and self.state.group is not None:
             _CREATED_GROUPS.add(self.state.group.group_name)
         self._ended = False
@@ -458,7 +458,7 @@ class Accelerator(AccelerateApi):
         self.engine.cache_weight_casts = old.cache_weight_casts
         if self._tp:
             for layout in filter(None, map(tensor_parallel.layout_of, self._models)):
-                self.engine.comm.attach_tp(layout.tp, self.state.group.group_name, layout.split_ids)
+                tensor_parallel.attach(self.engine, layout, self.state.group.group_name)
         self.gradient_state.step, self.gradient_state.sync_gradients = 0, True
 
     # ------------------------------------------------------------------ info

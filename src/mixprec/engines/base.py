@@ -94,6 +94,9 @@ class Engine:
         self.comm = comm_cls(policy, device, **engine_options)  # the backend's communication
         self.policy = self.comm.policy  # resolved precision policy (a comm may adjust it)
         self.device = device  # where parameters and gradients live
+        # Tensor parallelism's placements (parallel/tensor/engine.py TPPlacement): which
+        # parameters are split over the TP group; found_inf, the norm and checkpoints read it.
+        self.placement = None
         self.fused_optimizer = fused_optimizer  # use the C++ fused Adam/AdamW/SGD when eligible
         # config clip_in_step: clip_grad_norm_ leaves the multiply to the fused update
         # ([Note: clip inside the update]).
@@ -243,6 +246,8 @@ class Engine:
         self._unscale_local(state)
         self._materialize(state)
         self.comm.agree_found_inf()
+        if self.placement is not None:
+            self.placement.agree_found_inf(self.precision)
 
     def _materialize(self, state: OptimizerState) -> None:
         """Apply a clip left to the update ([Note: clip inside the update]) to the gradients
@@ -277,7 +282,11 @@ class Engine:
         return that norm. The sharded backends compute it over every parameter they shard
         from the owned shards, with one all-reduce that also agrees found_inf."""
         max_norm = check_clip_limit("max_norm", max_norm)
+        if self.placement is not None:
+            parameters = list(parameters)
         grads = self.comm.clip_grads(parameters, whole=True)
+        if self.placement is not None:
+            self.placement.note_clip(self.comm, parameters)
         deferred = self._clip_deferrable(grads, norm_type)
         if deferred:
             # [Note: clip inside the update] one read of the gradients: the norm, with the
@@ -289,7 +298,8 @@ class Engine:
                 self._unscale_local(state)  # a sharded comm agrees found_inf with the norm
                 self._materialize(state)
             check = None
-        total = self.comm.global_norm(grads, norm_type, check)
+        total = (self.comm.global_norm(grads, norm_type, check) if self.placement is None
+                 else self.placement.global_norm(self.comm, grads, norm_type, check))
         if deferred:
             return self._defer_clip(total, max_norm, unscaled)
         return self._clip_now(grads, total, max_norm)
@@ -488,7 +498,8 @@ class Engine:
         """What the one-call step still does around the update: the check, unless the
         clip or an explicit unscale did it, and what the comm adds (the found_inf
         agreement, the sharded gather, ddp's Reducer flags)."""
-        return self.comm.step_finish(state, {"check": not state.unscaled})
+        finish = self.comm.step_finish(state, {"check": not state.unscaled})
+        return finish if self.placement is None else self.placement.step_finish(finish)
 
     def _fused_update(self, optimizer: torch.optim.Optimizer, **kwargs) -> bool:
         """``kernels.fused_optimizer_step`` writing this engine's low-precision targets;
@@ -600,7 +611,8 @@ class Engine:
     def state_names(self, models: list[nn.Module]) -> dict[str, tuple]:
         """Every global model tensor a checkpoint of ``models`` holds: name -> global shape
         (what ``load_state`` validates against before loading anything)."""
-        return self.comm.state_names(models)
+        names = self.comm.state_names(models)
+        return names if self.placement is None else self.placement.state_names(names, models)
 
     def state_dtypes(self, models: list[nn.Module]) -> dict:
         """Global model tensor name -> the dtype this engine saves and loads it in: fp32
@@ -630,7 +642,8 @@ class Engine:
             shards = engine.state_shards([model], [optimizer])
             shards[0].name, shards[0].shape      # ('model/0.weight', (64, 16))
         """
-        return self.comm.state_shards(models, optimizers)
+        shards = self.comm.state_shards(models, optimizers)
+        return shards if self.placement is None else self.placement.state_shards(shards, models)
 
     def load_state_shards(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], read) -> None:
         """Load what :meth:`state_shards` names from a checkpoint, whatever wrote it.
@@ -645,6 +658,8 @@ class Engine:
 
             engine.load_state_shards([model], [optimizer], reader)
         """
+        if self.placement is not None:
+            read = self.placement.reader(read, models)
         self.comm.load_state_shards(models, optimizers, read)
 
 

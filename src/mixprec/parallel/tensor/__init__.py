@@ -1,9 +1,8 @@
 """Tensor parallelism (AutoTP): what ``Accelerator`` calls (docs/tensor_parallel.md).
 
-- :func:`setup`: at ``Accelerator(...)``: the mesh, the DP group the engine reduces over,
-  and the engine class with [Note: agreement over the mesh];
-- :func:`prepare_model`: at ``prepare()``: the plan applied, the engine told which
-  parameters are split;
+- :func:`setup`: at ``Accelerator(...)``: the mesh and the DP group the engine reduces over;
+- :func:`prepare_model`: at ``prepare()``: the plan applied, the engine given the
+  placements (which parameters are split, [Note: agreement over the mesh]);
 - :func:`full_state_dict`: split tensors made whole (``get_state_dict``, ``save_model``,
   ``save_16bit_model``).
 """
@@ -16,16 +15,16 @@ from torch import nn
 
 from ..mesh import Mesh, MeshError, build_mesh
 from .apply import InputMismatchError, TPLayout, apply_tensor_parallel
-from .engine import tp_comm_class
+from .engine import TPPlacement
 from .layers import TPGroup, copy_to, gather_from, reduce_from, scatter_to
 from .plan import LayerPlan, PlanError, resolve_plan
 
 __all__ = ["InputMismatchError", "LayerPlan", "Mesh", "MeshError", "PlanError", "TPGroup", "TPLayout",
-           "copy_to", "full_state_dict", "gather_from", "layout_of", "prepare_model", "reduce_from",
+           "TPPlacement", "attach", "copy_to", "full_state_dict", "gather_from", "layout_of", "prepare_model", "reduce_from",
            "resolve_plan", "scatter_to", "setup", "swap_optimizer_params"]
 
-def setup(comm_cls: type, state: Any, tp_size: int, mesh: Optional[Mesh] = None) -> tuple[type, Mesh]:
-    """The engine class and the mesh for ``tensor_parallel.size = tp_size`` (a collective).
+def setup(comm_cls: type, state: Any, tp_size: int, mesh: Optional[Mesh] = None) -> Mesh:
+    """The mesh for ``tensor_parallel.size = tp_size`` (a collective).
     Every distributed backend composes: ddp/zero1/zero2 replicate or shard the split model's
     state over the DP group, zero3/fsdp shard its units over it (the 2-D layout)."""
     from ..mesh import check_layout
@@ -36,7 +35,7 @@ def setup(comm_cls: type, state: Any, tp_size: int, mesh: Optional[Mesh] = None)
                         f"got backend={comm_cls.name!r}; use ddp, zero1, zero2, zero3 or fsdp (or auto)")
     if mesh is None:
         mesh = build_mesh(state.world_size, state.rank, tp_size, backend=state.backend)
-    return tp_comm_class(comm_cls), mesh
+    return mesh
 
 
 def tp_group(mesh: Mesh) -> TPGroup:
@@ -47,8 +46,16 @@ def prepare_model(model: nn.Module, engine: Any, mesh: Mesh, tp_config: Any, wor
     """Split ``model`` by its plan and tell the engine's comm which parameters are split."""
     tp = tp_group(mesh)
     layout = apply_tensor_parallel(model, tp_config, tp, world_group=world_group, device=engine.device)
-    engine.comm.attach_tp(tp, world_group.group_name, layout.split_ids)
+    attach(engine, layout, world_group.group_name)
     return layout
+
+
+def attach(engine: Any, layout: TPLayout, world_group_name: str) -> None:
+    """Tell ``engine`` which parameters ``layout`` split (its placements)."""
+    if engine.placement is None:
+        engine.placement = TPPlacement(layout.tp, world_group_name, layout.split_ids)
+    else:
+        engine.placement.add(layout.split_ids)
 
 
 def swap_optimizer_params(optimizer: Any, models: list) -> None:

@@ -31,6 +31,18 @@ def _accelerator(backend: str, tp: int, sp: int, mp: str = "no", accum: int = 1)
                        gradient_accumulation_steps=accum)
 
 
+def _prepared(backend: str, tp: int, sp: int, mp: str = "no", accum: int = 1, eps: float = 1e-8) -> tuple:
+    """(accelerator, the matrix's tiny model, AdamW), prepared."""
+    import torch
+
+    import test_model_matrix as t
+
+    acc = _accelerator(backend, tp, sp, mp=mp, accum=accum)
+    model = t._build(KIND)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps))
+    return acc, model, opt
+
+
 def _train(acc, model, opt, steps, micro: int = 1) -> list:
     """Steps of the matrix's global batch (every data rank: DP=1 here, or its share)."""
     import test_model_matrix as t
@@ -74,9 +86,7 @@ def _tp_sp(state, save_dir):
     zero_init = t.zero_init_keys(KIND)
 
     for backend in ("ddp", "zero1", "zero2", "zero3", "fsdp"):
-        acc = _accelerator(backend, 2, 2, accum=2)
-        model = t._build(KIND)
-        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=t.EPS))
+        acc, model, opt = _prepared(backend, 2, 2, accum=2, eps=t.EPS)
         _train(acc, model, opt, range(t.STEPS), micro=2)
         got = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
         out[backend] = (t.matrix_excess(got, variants, ref64, keys, zero_init), sorted(got) == sorted(ref64),
@@ -86,9 +96,7 @@ def _tp_sp(state, save_dir):
         gc.collect()
 
     # fp16: an inf in one rank's slice of q_proj's gradient (rank 3) skips the step everywhere.
-    acc = _accelerator("zero2", 2, 2, mp="fp16")
-    model = t._build(KIND)
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    acc, model, opt = _prepared("zero2", 2, 2, mp="fp16")
     poison = {"on": False}
     model.model.layers[0].self_attn.q_proj.weight.register_hook(
         lambda g: g.fill_(float("inf")) if poison["on"] and rank == 3 else g)
@@ -103,9 +111,7 @@ def _tp_sp(state, save_dir):
     gc.collect()
 
     # A checkpoint at TP=2 x SP=2 (zero3), resumed at other layouts.
-    acc = _accelerator("zero3", 2, 2)
-    model = t._build(KIND)
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    acc, model, opt = _prepared("zero3", 2, 2)
     _train(acc, model, opt, range(2))
     acc.save_state(save_dir)
     saved = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
@@ -116,9 +122,7 @@ def _tp_sp(state, save_dir):
     gc.collect()
     out["resume"] = {}
     for name, (backend, tp, sp) in {"ddp-dp4": ("ddp", 1, 1), "tp4": ("zero2", 4, 1)}.items():
-        acc = _accelerator(backend, tp, sp)
-        model = t._build(KIND)
-        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        acc, model, opt = _prepared(backend, tp, sp)
         acc.load_state(save_dir)
         loaded = acc.get_state_dict(model)
         same = all(torch.equal(loaded[k], saved[k]) for k in saved)
@@ -131,9 +135,7 @@ def _tp_sp(state, save_dir):
         gc.collect()
 
     # save_16bit_model at TP=2 x SP=2 (fsdp, bf16).
-    acc = _accelerator("fsdp", 2, 2, mp="bf16")
-    model = t._build(KIND)
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    acc, model, opt = _prepared("fsdp", 2, 2, mp="bf16")
     _train(acc, model, opt, [0])
     d = os.path.join(save_dir, "16bit")
     written = acc.save_16bit_model(model, d)

@@ -9,7 +9,7 @@ DEPS   := $(VENV)/.deps-stamp
 # Pinned: `pip install torch` alone would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-quick install bench clean gpu-check compat-check
+.PHONY: demo test test-matrix test-quick install bench clean gpu-check compat-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,17 @@ TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install
-	$(PYTEST) --durations=30
+	$(PYTEST) -m "not matrix" --durations=30
+
+# Every transformers model type under TP=2 and SP=2 (tests/distributed/test_model_matrix.py,
+# about 4 min here); `make test` runs a representative subset. CI (.ci/run) runs both.
+test-matrix: install
+	$(BIN)/python -m pytest -q -m matrix tests/distributed/test_model_matrix.py
 
 # tests/distributed/conftest.py marks every multi-process test `distributed`; `slow` marks the
 # single-process ones that run whole examples, notebooks or benchmarks in subprocesses.
 test-quick: install
-	$(PYTEST) -m "not distributed and not slow"
+	$(PYTEST) -m "not distributed and not slow and not matrix"
 
 bench: install
 	$(BIN)/pip install -q ".[bench]"

@@ -37,6 +37,7 @@ from .checkpoint.sync import CallCheck
 from .engines import Engine, gathered, resolve_backend
 from .errors import NotPreparedError
 from .parallel import materialize
+from .parallel.compose import compose
 from .parallel import sequence as sequence_parallel
 from .parallel import tensor as tensor_parallel
 from .gradient_state import GradientState
@@ -587,27 +588,8 @@ class Accelerator(AccelerateApi):
         if is_prepared(model) and model in self._models:
             return model
         _clear_stale_grads(model)
-        checkpointed = act_ckpt.plan(model, self.config.config.activation_checkpointing, self.engine)
-        if self._ulysses is not None:
-            sequence_parallel.check_model(model)
-        if materialize.has_meta(model) and not self._tp:  # TP materialises shard by shard
-            materialize.materialize(model, self.device, self.state.group)
-        if self._tp:
-            if materialize.has_meta(model):
-                for m in model.modules():  # the buffers (real); the meta parameters stay for the split
-                    for k, b in m._buffers.items():
-                        if b is not None:
-                            m._buffers[k] = b.to(self.device)
-            else:
-                model.to(self.device)
-            tensor_parallel.prepare_model(model, self.engine, self.mesh, self.config.config.tensor_parallel,
-                                          self.state.group)
-        self.engine.prepare_model(model, self._autocast_gate)
+        compose(self, model)  # TP, the engine, SP, checkpointing: [Note: the order of the parallelisms]
         _gather_for_save_pretrained(self, model)
-        if self._ulysses is not None:
-            sequence_parallel.prepare_model(model, self._ulysses)
-        act_ckpt.apply(checkpointed, self.config.config.activation_checkpointing.selective)  # after the engine:
-        # [Note: checkpointing by class swap] in mixprec/activation_checkpointing.py
         self._models.append(model)
         if self._log_policy and not self._policy_logged:
             self.print(startup_line(self, model), flush=True)  # mixprec/startup.py

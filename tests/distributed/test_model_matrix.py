@@ -313,10 +313,27 @@ MUST_MATCH_TP = ("gemma", "gemma2", "gemma3_text", "gpt2", "phi3", "llama", "qwe
 MUST_MATCH_SP = ("gemma", "gemma3_text", "gpt2", "phi3", "llama", "qwen2", "mistral", "user_module")
 
 
-@pytest.mark.slow  # minutes: collected first (tests/conftest.py)
+# In `make test`: the types the issue found wrong, the families the suite is built around, and
+# one of each refusal; `make test-matrix` (and CI, .ci/run) runs every type.
+REPRESENTATIVE = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text", "gpt2", "phi3", "apertus",
+                  "olmo2", "nemotron", "starcoder2", "gpt_neox", "mixtral", "deepseek_v2", "dory", "doge",
+                  "falcon_h1", "qwen3_next", "phimoe", "user_module")
+
+
+@pytest.mark.slow  # collected first (tests/conftest.py)
+def test_representative_types_are_right_or_refused_under_tp_and_sp():
+    _run_matrix([k for k in _kinds() if k in REPRESENTATIVE])
+
+
+@pytest.mark.matrix  # every type: minutes; `make test-matrix`
 def test_every_model_type_is_right_or_refused_under_tp_and_sp():
-    kinds = _kinds()
-    results = run_distributed(_matrix, 2, args=(kinds,), timeout=1500)
+    _run_matrix(_kinds())
+
+
+def _run_matrix(kinds):
+    # Fresh ranks: building a hundred models leaves the warm ranks' heaps in a state that an
+    # OS-probe memory test run on them later would count (tests/distributed/test_grad_memory.py).
+    results = run_distributed(_matrix, 2, args=(kinds,), timeout=1500, fresh=True)
     table = results[0]
     failures, refused, matched, unbuilt = [], {}, {"tp": [], "sp": []}, []
     for kind, row in table.items():
@@ -346,9 +363,9 @@ def test_every_model_type_is_right_or_refused_under_tp_and_sp():
         print(f"FAILED {f[0]} {f[1]}: {str(f[2])[:300]}")
     assert not failures, (summary, failures)
     for kind in MUST_MATCH_TP:
-        assert kind in matched["tp"], (kind, table.get(kind))
+        assert kind not in table or kind in matched["tp"], (kind, table.get(kind))
     for kind in MUST_MATCH_SP:
-        assert kind in matched["sp"], (kind, table.get(kind))
+        assert kind not in table or kind in matched["sp"], (kind, table.get(kind))
     # the same answer on both ranks
     assert results[1] == table or all(
         (a.get("tp", (None,))[0], a.get("sp", (None,))[0]) == (b.get("tp", (None,))[0], b.get("sp", (None,))[0])

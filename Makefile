@@ -37,10 +37,11 @@ PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST
 test: install
 	$(PYTEST) -m "not matrix" --durations=30
 
-# Every transformers model type under TP=2 and SP=2 (tests/distributed/test_model_matrix.py,
-# about 4 min here); `make test` runs a representative subset. CI (.ci/run) runs both.
+# Every transformers model type under TP=2 and SP=2 (tests/distributed/test_model_matrix.py)
+# and inductor under TP (test_tp_compile.py), about 5 min here; `make test` runs a
+# representative subset and aot_eager. CI (.ci/run) runs both.
 test-matrix: install
-	$(BIN)/python -m pytest -q -m matrix tests/distributed/test_model_matrix.py
+	$(BIN)/python -m pytest -q -m matrix tests/distributed/test_model_matrix.py tests/distributed/test_tp_compile.py
 
 # tests/distributed/conftest.py marks every multi-process test `distributed`; `slow` marks the
 # single-process ones that run whole examples, notebooks or benchmarks in subprocesses.

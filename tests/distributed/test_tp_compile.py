@@ -48,8 +48,12 @@ def _compiled(state, backends, tp, sp):
             for b in backends}
 
 
-@pytest.mark.parametrize("tp,sp,world,backends", [(2, 1, 2, ("aot_eager", "inductor")),
-                                                  (2, 2, 4, ("aot_eager",))])
+@pytest.mark.parametrize("tp,sp,world,backends", [
+    (2, 1, 2, ("aot_eager",)),
+    (2, 2, 4, ("aot_eager",)),
+    # inductor compiles C++ for half a minute: with the whole model matrix (`make test-matrix`, CI)
+    pytest.param(2, 1, 2, ("inductor",), marks=pytest.mark.matrix),
+])
 def test_compiled_forward_and_backward_equal_eager(tp, sp, world, backends):
     pytest.importorskip("transformers")
     for rank, r in enumerate(run_distributed(_compiled, world, args=(backends, tp, sp), timeout=900)):

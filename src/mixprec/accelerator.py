@@ -34,6 +34,8 @@ from .config.fields import DTYPES
 from .config.resolve import ConfigLike, ResolvedConfig, flatten_object
 from .config.resolve import resolve as resolve_config
 from .checkpoint.sync import CallCheck
+from .device import check_device_supports
+from .device import pick_device as _pick_device
 from .engines import Engine, gathered, resolve_backend
 from .errors import NotPreparedError
 from .parallel import materialize
@@ -54,7 +56,7 @@ from .compat.api import AccelerateApi
 from .compat.setup import translate as translate_accelerate_options
 from .compat import state as compat_state
 from .compat.state import AcceleratorState
-from . import tracking
+from . import registry, tracking
 
 logger = logging.getLogger("mixprec")
 
@@ -923,7 +925,9 @@ class Accelerator(AccelerateApi):
             parameters = [parameters]
         if self._join is not None:  # inside join_uneven_inputs: ranks that ran out clip too
             self._join.announce_clip(max_norm, norm_type)
-        return self.engine.clip_grad_norm_(list(parameters), max_norm, norm_type)
+        # Not list(): a prepared model's parameters() is recognised and not walked
+        # ([Note: the clip shares the step plan] in engines/clip_sources.py).
+        return self.engine.clip_grad_norm_(parameters, max_norm, norm_type)
 
     @desync.tracked("clip_grad_value_")
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
@@ -1220,11 +1224,11 @@ class Accelerator(AccelerateApi):
 # collective] in distributed/state.py). So an atexit hook does what end_training() does
 # for every Accelerator still alive: release the engine, then destroy the default group if
 # an Accelerator created it (a group made by the caller is left to the caller).
-_LIVE: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
+_LIVE = registry.LIVE  # the Accelerators the exit hook releases (src/mixprec/registry.py)
 # main_process_first's barrier, checked under its own name: the main process may be inside
 # the block far longer than collective_timeout, which its peers' check allows.
 _first_barrier = desync.tracked("main_process_first", desync.plain_signature)(collectives.barrier)
-_CREATED_GROUPS: set[str] = set()  # names of the groups Accelerators initialised
+_CREATED_GROUPS = registry.CREATED_GROUPS  # names of the groups Accelerators initialised
 
 
 def _shutdown_at_exit() -> None:
@@ -1346,50 +1350,6 @@ def _has_tensor(obj: Any) -> bool:
     if isinstance(obj, dict):
         return any(_has_tensor(x) for x in obj.values())
     return False
-
-
-def _pick_device(device: Union[str, torch.device, None], cpu: bool) -> torch.device:
-    """The requested device; CUDA (index chosen from LOCAL_RANK later) unless ``cpu``."""
-    if device is not None:
-        try:
-            return torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device={device!r} is not a valid torch device: {e}") from None
-    if not cpu and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def check_device_supports(device: torch.device, policy: PrecisionPolicy) -> None:
-    """Raise a ValueError naming the device and the fix when ``policy`` cannot run there."""
-    dtype = policy.compute_dtype
-    if dtype == torch.float32 and policy.param_dtype in (None, torch.float32):
-        return
-    wanted = policy.compute_dtype if policy.compute_dtype != torch.float32 else policy.param_dtype
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[wanted]
-    fix = "use mixed_precision='no', or another device"
-    if not torch.amp.is_autocast_available(device.type):
-        raise ValueError(
-            f"mixed_precision={policy.name!r} needs {name} autocast, which device {str(device)!r} "
-            f"does not support; {fix}"
-        )
-    if device.type == "cuda" and wanted == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"{str(device)!r} has no bf16 support; use mixed_precision='fp16' or 'no'")
-    try:
-        a = torch.ones(4, 4, device=device)
-        with torch.autocast(device.type, dtype=wanted):
-            out = torch.nn.functional.linear(a, a)
-        ok = out.dtype == wanted
-    except RuntimeError as e:
-        raise ValueError(
-            f"mixed_precision={policy.name!r}: {name} matmul under autocast failed on "
-            f"{str(device)!r} ({e}); {fix}"
-        ) from None
-    if not ok:
-        raise ValueError(
-            f"mixed_precision={policy.name!r}: autocast on {str(device)!r} does not compute in "
-            f"{name} (got {out.dtype}); {fix}"
-        )
 
 
 def _gather_for_save_pretrained(acc: "Accelerator", model: nn.Module) -> None:

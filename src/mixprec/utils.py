@@ -180,7 +180,7 @@ def find_executable_batch_size(function: Callable = None, starting_batch_size: i
 
 
 def _process_index() -> int:
-    from .compat.state import live_accelerator
+    from .registry import live_accelerator
 
     acc = live_accelerator()
     if acc is not None:

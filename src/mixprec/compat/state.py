@@ -30,12 +30,14 @@ from typing import Any
 
 import torch
 
+from .. import registry
 from ..distributed import collectives
 from ..distributed.state import DistributedState
+from ..registry import live_accelerator, register  # noqa: F401 - compat_state.register, as before
 from .options import DistributedType
 
 _GENERATION = [0]  # bumped by _reset_state(): states of earlier generations are not initialized
-_ACCELERATORS: list = []  # weak references to this process's Accelerators, oldest first
+_ACCELERATORS = registry.ACCELERATORS  # weak references to this process's Accelerators, oldest first
 _STANDALONE: list = [None]  # the state PartialState() read from the environment, with no Accelerator
 
 RESET_MESSAGE = (
@@ -43,21 +45,6 @@ RESET_MESSAGE = (
     "was called and an `Accelerator` or `PartialState` was not reinitialized: make a new Accelerator after "
     "_reset_state()"
 )
-
-
-def register(accelerator: Any) -> None:
-    """Called by each Accelerator once its state exists (newest last)."""
-    _ACCELERATORS[:] = [r for r in _ACCELERATORS if r() is not None]
-    _ACCELERATORS.append(weakref.ref(accelerator))
-
-
-def live_accelerator() -> Any:
-    """The newest Accelerator of this process that is neither ended nor reset, or None."""
-    for ref in reversed(_ACCELERATORS):
-        acc = ref()
-        if acc is not None and not acc.__dict__.get("_ended", True) and not acc.__dict__.get("_state_reset"):
-            return acc
-    return None
 
 
 def _current(cls: type) -> "PartialState":
@@ -72,9 +59,7 @@ def _current(cls: type) -> "PartialState":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         base = init_distributed(device)
         if creates and base.group is not None:
-            from ..accelerator import _CREATED_GROUPS  # torn down at exit like an Accelerator's
-
-            _CREATED_GROUPS.add(base.group.group_name)
+            registry.CREATED_GROUPS.add(base.group.group_name)  # torn down at exit like an Accelerator's
         backend = "ddp" if base.world_size > 1 else "single"
         _STANDALONE[0] = AcceleratorState.from_state(base, mixed_precision="no", backend_name=backend)
     return _STANDALONE[0]

@@ -30,11 +30,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from ..engines import BACKEND_NAMES
 from ..policy import PRESETS, ScalerConfig
 from .fields import REQUIRED
 
-Backend = Literal[BACKEND_NAMES]  # "auto", "single", "ddp", "zero1", "zero2", "zero3", "fsdp"
+# The backends a config may name: "auto" and the engines of src/mixprec/engines/__init__.py
+# (ENGINES, whose keys are these names in this order: tests/test_import_graph.py checks it).
+# The names live here, below the engines, so the config reads without importing them.
+BACKEND_NAMES = ("auto", "single", "ddp", "zero1", "zero2", "zero3", "fsdp")
+Backend = Literal[BACKEND_NAMES]
 MixedPrecision = Literal[PRESETS]  # "no", "bf16", "fp16", "bf16-pure"
 Dtype = Literal["fp32", "bf16", "fp16"]
 Collective = Literal["auto", "reduce_scatter", "allreduce"]

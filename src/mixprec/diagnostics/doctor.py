@@ -332,7 +332,7 @@ def doctor(
         print(report)
         if not report.ok: ...
     """
-    from ..accelerator import _pick_device, check_device_supports
+    from ..device import check_device_supports, pick_device as _pick_device
     from ..engines.base import Engine
     from ..wrappers.model import AutocastGate, is_prepared
 

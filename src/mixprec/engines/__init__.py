@@ -5,6 +5,7 @@ keyword arguments are that backend's ``engine_options``."""
 
 from __future__ import annotations
 
+from ..config.schema import BACKEND_NAMES
 from .base import Engine
 from .comm import Comm
 from .ddp import DDPComm
@@ -20,7 +21,6 @@ ENGINES: dict[str, type[Comm]] = {
     "zero3": Zero3Comm,
     "fsdp": FSDPComm,
 }
-BACKEND_NAMES = ("auto", *ENGINES)
 
 
 def resolve_backend(backend: str, world_size: int) -> type[Comm]:

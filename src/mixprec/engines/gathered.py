@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import registry
 from ..errors import UnshardedParameterError
 
 _DisableTF = torch._C.DisableTorchFunctionSubclass
@@ -533,13 +534,9 @@ def scope_for(engine, target, **options) -> GatheredScope:
 
 def find_engine(params: list[torch.Tensor], api: str):
     """The engine of the live Accelerator that prepared the model holding ``params``."""
-    from ..accelerator import _LIVE  # a live Accelerator, not ended
-
     wanted = {id(p) for p in params}
-    for acc in list(_LIVE):
-        if getattr(acc, "_ended", False):
-            continue
-        for model in acc._models:
+    for acc in registry.running():
+        for model in acc.prepared.models:
             if any(id(p) in wanted for p in model.parameters()):
                 return acc.engine
     raise ValueError(

@@ -41,7 +41,9 @@ _ACCELERATE_FILES = re.compile(r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)
 
 def refuse_accelerate_folder(path: Path) -> None:
     """Raise a :class:`CheckpointError` naming the format when ``path`` is a folder written by
-    Accelerate's ``save_state`` (a complete folder, in another format: not an interrupted save)."""
+    Accelerate's ``save_state`` (a complete folder, in another format: not an interrupted save).
+    ``Accelerator.load_state`` reads such folders (checkpoint/accelerate_folder.py); this
+    reader, and what is built on it (``mixprec consolidate``), read mixprec checkpoints."""
     names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     if (path / fmt.METADATA).exists():
         return
@@ -49,16 +51,12 @@ def refuse_accelerate_folder(path: Path) -> None:
     if not any(n.startswith("random_states_") or n.startswith("optimizer") for n in theirs):
         return
     weights = next((n for n in theirs if n.startswith(("model", "pytorch_model"))), None)
-    carry = (f" To carry the weights over, load them into the model before prepare(): "
-             f"model.load_state_dict(safetensors.torch.load_file({str(path / weights)!r}))" if weights and
-             weights.endswith(".safetensors") else
-             f" To carry the weights over, load them into the model before prepare(): "
-             f"model.load_state_dict(torch.load({str(path / weights)!r}))" if weights else "")
+    whole = f"; its model weights are already whole in {str(path / weights)!r}" if weights else ""
     raise CheckpointError(
         f"checkpoint {str(path)!r} is a folder written by Accelerate's save_state ({', '.join(theirs[:5])}), not "
-        f"a mixprec checkpoint (metadata.json, tensors-rank*.safetensors, COMPLETE); mixprec does not read that "
-        f"format and has no converter for it: nothing was loaded.{carry} (optimizer, scheduler and RNG states then "
-        f"start fresh), and save with mixprec's save_state from there on"
+        f"a mixprec checkpoint (metadata.json, tensors-rank*.safetensors, COMPLETE): CheckpointReader and "
+        f"`mixprec consolidate` read mixprec checkpoints only, nothing was loaded. accelerator.load_state("
+        f"{str(path)!r}) after prepare() loads it (docs/checkpointing.md, 'Loading an Accelerate checkpoint'){whole}"
     )
 
 

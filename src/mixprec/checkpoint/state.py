@@ -34,6 +34,7 @@ import torch
 from ..distributed import collectives
 from ..step import StepResult
 from . import format as fmt
+from .accelerate_folder import AccelerateFolder, is_accelerate_folder
 from .dataloader import ResumableDataLoader, StatefulPreparedDataLoader
 from .format import CheckpointError
 from .reader import CheckpointReader
@@ -92,12 +93,17 @@ def _class_name(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def load_accelerator_state(acc, source: Path, custom: list) -> CheckpointReader:
+def load_accelerator_state(acc, source: Path, custom: list):
     """Collective: verify ``source``, validate it against ``acc`` on every rank, agree, then
-    restore everything ([Note: two-phase load])."""
+    restore everything ([Note: two-phase load]). ``source`` is a mixprec checkpoint or a
+    folder written by Accelerate's ``save_state`` (checkpoint/accelerate_folder.py).
+    Returns the reader it loaded from."""
     outcome = None
     try:
-        reader = CheckpointReader(source)
+        # A folder written by Accelerate's save_state is read through the same checks
+        # (checkpoint/accelerate_folder.py); everything else must be a mixprec checkpoint.
+        reader = (AccelerateFolder(source, acc, custom) if is_accelerate_folder(source)
+                  else CheckpointReader(source))
         objects = reader.objects()
         _check_objects(reader, objects)
         own_state = reader.rank_state(acc.state.rank)

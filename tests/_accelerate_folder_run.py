@@ -75,7 +75,8 @@ class Box:
         self.value = value
 
 
-def build(lib: str, seed: int, backend: str = "single"):
+def build(lib: str, seed: int, backend: str = "single", **options):
+    """The run's objects; ``options``: more mixprec Accelerator options."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -87,7 +88,7 @@ def build(lib: str, seed: int, backend: str = "single"):
         from mixprec import Accelerator
 
         acc = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, log_policy=False,
-                          **({} if backend == "single" else {"backend": backend}))
+                          **({} if backend == "single" else {"backend": backend}), **options)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -145,10 +146,10 @@ def full(lib: str, folder: str, rank: int) -> list:
     return records
 
 
-def resume(lib: str, folder: str) -> dict:
+def resume(lib: str, folder: str, backend: str = "single") -> dict:
     """Accelerate's resume idiom: new objects (another seed), ``load_state``, then
     ``skip_first_batches`` for the checkpointed epoch and the loader itself after it."""
-    acc, model, opt, loader, sched, seen = build(lib, 123)
+    acc, model, opt, loader, sched, seen = build(lib, 123, backend)
     acc.load_state(folder)
     after = snapshot(lib, acc, model, opt, sched, seen)
     records = []
@@ -162,15 +163,16 @@ def resume(lib: str, folder: str) -> dict:
     return {"after_load": after, "records": records, "weights": weights}
 
 
-def mixprec_resume_on_rank(state, folder: str) -> dict:
+def mixprec_resume_on_rank(state, folder: str, backend: str) -> dict:
     """mixprec's side on a rank of tests/distributed/harness.py."""
-    return resume("mixprec", folder)
+    return resume("mixprec", folder, backend)
 
 
 def replay_float64(folder: str, resumed: list) -> dict:
     """The resumed run in float64 with plain torch, from the folder's files: every rank's
     micro-batches (their recorded samples, noise and factors), gradients averaged over the
-    ranks as DDP does, stepping where the run synchronised. ``resumed``: per rank, the
+    ranks as DDP does, stepping where the run synchronised (the schedule once per process
+    per optimizer step, as Accelerate and mixprec do without ``split_batches``). ``resumed``: per rank, the
     records of :func:`resume`. Returns per-rank losses and the final weights."""
     from safetensors.torch import load_file
 
@@ -196,9 +198,59 @@ def replay_float64(folder: str, resumed: list) -> dict:
         (total / ACCUMULATION).backward()
         if resumed[0][k]["sync"]:
             opt.step()
-            sched.step()
+            for _ in range(world):  # Accelerate's rule, which mixprec keeps: once per process
+                sched.step()
             opt.zero_grad()
     return {"losses": losses, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def assert_same_state(ours: dict, theirs: dict, where: str = "") -> None:
+    """Two snapshots of snapshot(): equal to the bit."""
+    assert ours["weights"].keys() == theirs["weights"].keys(), where
+    for k in theirs["weights"]:
+        assert torch.equal(ours["weights"][k], theirs["weights"][k]), (where, k)
+    o, t = ours["optimizer"], theirs["optimizer"]
+    assert o["param_groups"] == t["param_groups"], where
+    assert o["state"].keys() == t["state"].keys() and len(t["state"]) == 4, where
+    for i, entries in t["state"].items():
+        assert o["state"][i].keys() == entries.keys(), (where, i)
+        for key, value in entries.items():
+            assert torch.equal(o["state"][i][key], value), (where, i, key)
+    assert ours["scheduler"] == theirs["scheduler"], where
+    assert torch.equal(ours["torch_rng"], theirs["torch_rng"]), where
+    assert ours["python_rng"] == theirs["python_rng"], where
+    assert ours["numpy_rng"] == theirs["numpy_rng"], where
+    assert ours["step"] == theirs["step"] == SAVE_AT, where
+    assert ours["seen"] == theirs["seen"] == SAVE_AT, where
+
+
+def assert_continues_as_accelerate(folder, ours: list, theirs: list) -> None:
+    """``ours``/``theirs``: per rank, the results of resume() under mixprec / Accelerate."""
+    for r, (o, t) in enumerate(zip(ours, theirs)):
+        # The same batches, random draws, accumulation boundaries and learning rates.
+        for key in ("index", "a", "b", "sync", "lr", "seen"):
+            assert [x[key] for x in o["records"]] == [x[key] for x in t["records"]], (r, key)
+        assert all(torch.equal(x["noise"], y["noise"]) for x, y in zip(o["records"], t["records"])), r
+    per_rank = N // (2 * len(ours))
+    assert len(theirs[0]["records"]) == EPOCHS * per_rank - SAVE_AT
+    reference = replay_float64(str(folder), [t["records"] for t in theirs])
+
+    def loss_error(run, r):
+        return max(abs(x["loss"] - y) for x, y in zip(run["records"], reference["losses"][r]))
+
+    def weight_error(a, b):
+        return max(float((a[k].double() - b[k].double()).abs().max()) for k in reference["weights"])
+
+    for r, (o, t) in enumerate(zip(ours, theirs)):
+        theirs_loss, ours_loss = loss_error(t, r), loss_error(o, r)
+        # The replay follows Accelerate's run (else the reference would be meaningless) ...
+        assert 0 < theirs_loss < 1e-5, theirs_loss
+        # ... and mixprec is no farther from float64 than Accelerate's fp32 run (x2: rounding).
+        assert ours_loss <= 2 * theirs_loss, (r, ours_loss, theirs_loss)
+        assert max(abs(x["loss"] - y["loss"]) for x, y in zip(o["records"], t["records"])) <= theirs_loss, r
+        theirs_w, ours_w = weight_error(t["weights"], reference["weights"]), weight_error(o["weights"], reference["weights"])
+        assert 0 < theirs_w < 1e-5 and ours_w <= 2 * theirs_w, (r, ours_w, theirs_w)
+        assert weight_error(o["weights"], t["weights"]) <= theirs_w, r
 
 
 if __name__ == "__main__":

@@ -44,69 +44,106 @@ def accelerate_run(tmp_path_factory):
     return folder, torch.load(where / "theirs.rank0.pt", weights_only=False)
 
 
-def assert_same_state(ours: dict, theirs: dict, where: str = "") -> None:
-    """Two snapshots of R.snapshot(): equal to the bit."""
-    assert ours["weights"].keys() == theirs["weights"].keys(), where
-    for k in theirs["weights"]:
-        assert torch.equal(ours["weights"][k], theirs["weights"][k]), (where, k)
-    o, t = ours["optimizer"], theirs["optimizer"]
-    assert o["param_groups"] == t["param_groups"], where
-    assert o["state"].keys() == t["state"].keys() and len(t["state"]) == 4, where
-    for i, entries in t["state"].items():
-        assert o["state"][i].keys() == entries.keys(), (where, i)
-        for key, value in entries.items():
-            assert torch.equal(o["state"][i][key], value), (where, i, key)
-    assert ours["scheduler"] == theirs["scheduler"], where
-    assert torch.equal(ours["torch_rng"], theirs["torch_rng"]), where
-    assert ours["python_rng"] == theirs["python_rng"], where
-    assert ours["numpy_rng"] == theirs["numpy_rng"], where
-    assert ours["step"] == theirs["step"] == R.SAVE_AT, where
-    assert ours["seen"] == theirs["seen"] == R.SAVE_AT, where
-
-
-def assert_continues_as_accelerate(folder, ours: list, theirs: list) -> None:
-    """``ours``/``theirs``: per rank, the results of R.resume() under mixprec / Accelerate."""
-    for r, (o, t) in enumerate(zip(ours, theirs)):
-        # The same batches, random draws, accumulation boundaries and learning rates.
-        for key in ("index", "a", "b", "sync", "lr", "seen"):
-            assert [x[key] for x in o["records"]] == [x[key] for x in t["records"]], (r, key)
-        assert all(torch.equal(x["noise"], y["noise"]) for x, y in zip(o["records"], t["records"])), r
-    per_rank = R.N // (2 * len(ours))
-    assert len(theirs[0]["records"]) == R.EPOCHS * per_rank - R.SAVE_AT
-    reference = R.replay_float64(str(folder), [t["records"] for t in theirs])
-
-    def loss_error(run, r):
-        return max(abs(x["loss"] - y) for x, y in zip(run["records"], reference["losses"][r]))
-
-    def weight_error(a, b):
-        return max(float((a[k].double() - b[k].double()).abs().max()) for k in reference["weights"])
-
-    for r, (o, t) in enumerate(zip(ours, theirs)):
-        theirs_loss, ours_loss = loss_error(t, r), loss_error(o, r)
-        # The replay follows Accelerate's run (else the reference would be meaningless) ...
-        assert 0 < theirs_loss < 1e-5, theirs_loss
-        # ... and mixprec is no farther from float64 than Accelerate's fp32 run (x2: rounding).
-        assert ours_loss <= 2 * theirs_loss, (r, ours_loss, theirs_loss)
-        assert max(abs(x["loss"] - y["loss"]) for x, y in zip(o["records"], t["records"])) <= theirs_loss, r
-        theirs_w, ours_w = weight_error(t["weights"], reference["weights"]), weight_error(o["weights"], reference["weights"])
-        assert 0 < theirs_w < 1e-5 and ours_w <= 2 * theirs_w, (r, ours_w, theirs_w)
-        assert weight_error(o["weights"], t["weights"]) <= theirs_w, r
-
-
 def test_load_state_reads_an_accelerate_folder_and_continues_as_accelerate_resume(accelerate_run):
     folder, theirs = accelerate_run
     assert sorted(p.name for p in folder.iterdir()) == [
         "custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin", "random_states_0.pkl", "scheduler.bin"]
     ours = R.resume("mixprec", str(folder))
-    assert_same_state(ours["after_load"], theirs["after_load"])
-    assert_continues_as_accelerate(folder, [ours], [theirs])
-    # Accelerate's resume is not its uninterrupted run (the saved window's gradients are
-    # not in a checkpoint): the comparison above is with the resume, which mixprec follows.
+    R.assert_same_state(ours["after_load"], theirs["after_load"])
+    R.assert_continues_as_accelerate(folder, [ours], [theirs])
+    # Accelerate's resume reads its uninterrupted run's batches (the loader's seeded
+    # generator) but its numbers differ from that run's (a checkpoint holds no gradients of
+    # the open accumulation window): hence the comparison with the resume, above.
     assert [x["index"] for x in theirs["records"]] == [x["index"] for x in theirs["full"][R.SAVE_AT:]]
 
 
-def _fresh(backend="single"):
-    acc, model, opt, loader, sched, seen = R.build("mixprec", 123, backend)
+def test_the_state_lands_in_the_fp32_masters(accelerate_run):
+    """Into a run with bf16 parameters and fp32 masters: the masters take Accelerate's fp32
+    weights exactly, the parameters their bf16 rounding, and the AdamW state (keyed by the
+    masters) Accelerate's, exactly."""
+    folder, theirs = accelerate_run
+    acc, model, opt, loader, sched, seen = R.build("mixprec", 123, mixed_precision="bf16", param_dtype=torch.bfloat16)
+    assert acc.engine.precision.master_of  # this run keeps masters
+    acc.load_state(str(folder))
+    saved = theirs["after_load"]
+    masters = acc.get_state_dict(model)
+    params = acc.unwrap_model(model).state_dict()
+    for k, w in saved["weights"].items():
+        assert masters[k].dtype == torch.float32 and torch.equal(masters[k], w), k
+        assert params[k].dtype == torch.bfloat16 and torch.equal(params[k], w.to(torch.bfloat16)), k
+    state = opt.state_dict()["state"]
+    assert all(p.dtype == torch.float32 for g in opt.param_groups for p in g["params"])
+    for i, entries in saved["optimizer"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(state[i][key], value), (i, key)
+    assert opt.param_groups[0]["lr"] == saved["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_bf16_tensors_widen_exactly_into_the_fp32_masters(accelerate_run, tmp_path):
+    """A bf16 model trained under Accelerate saves bf16 weights and AdamW state; a run with
+    fp32 masters takes them widened (exact), any other dtype change is refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(accelerate_run[0], folder)
+    weights = {k: v.to(torch.bfloat16) for k, v in load_file(str(folder / "model.safetensors")).items()}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    sd = torch.load(folder / "optimizer.bin", weights_only=True)
+    for entries in sd["state"].values():
+        entries.update({k: v.to(torch.bfloat16) for k, v in entries.items() if k != "step"})
+    torch.save(sd, folder / "optimizer.bin")
+    acc, model, opt, loader, sched, seen = R.build("mixprec", 123, mixed_precision="bf16", param_dtype=torch.bfloat16)
+    acc.load_state(str(folder))
+    masters = acc.get_state_dict(model)
+    assert all(masters[k].dtype == torch.float32 and torch.equal(masters[k], w.float()) for k, w in weights.items())
+    state = opt.state_dict()["state"]
+    assert all(torch.equal(state[i][k], v.float()) for i, e in sd["state"].items() for k, v in e.items())
+    # fp32 into a run whose parameters are bf16 without masters would round: refused.
+    acc, model, opt, before = _fresh(mixed_precision="bf16-pure")
+    with pytest.raises(mixprec_error(), match="mis-typed keys .*model/0.weight: checkpoint dtype torch.float32 vs model torch.bfloat16"):
+        acc.load_state(str(accelerate_run[0]))
+    _nothing_loaded(acc, model, opt, before)
+
+
+def test_weights_alone_load_on_a_sharded_backend(accelerate_run, tmp_path):
+    """A folder saved before the first optimizer step (no per-parameter state) loads on
+    zero2: the weights, and the hyper-parameters."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(accelerate_run[0], folder)
+    sd = torch.load(folder / "optimizer.bin", weights_only=True)
+    torch.save({"state": {}, "param_groups": sd["param_groups"]}, folder / "optimizer.bin")
+    acc, model, opt, loader, sched, seen = R.build("mixprec", 123, "zero2")
+    acc.load_state(str(folder))
+    masters = acc.get_state_dict(model)
+    theirs = accelerate_run[1]["after_load"]["weights"]
+    assert all(torch.equal(masters[k], w) for k, w in theirs.items())
+    assert opt.param_groups[0]["lr"] == sd["param_groups"][0]["lr"] != R.LR
+
+
+@pytest.mark.parametrize("mixed_precision", ["fp16", "no"])
+def test_scaler_pt_loads_into_fp16_and_is_refused_without_loss_scaling(accelerate_run, tmp_path, mixed_precision):
+    """scaler.pt is torch.amp.GradScaler.state_dict() (what Accelerate saves on a GPU)."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(accelerate_run[0], folder)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler._growth_tracker.fill_(2)
+    torch.save(scaler.state_dict(), folder / "scaler.pt")
+    if mixed_precision == "no":
+        acc, model, opt, before = _fresh()
+        with pytest.raises(mixprec_error(), match="holds loss-scaler state but mixed_precision='no' has no loss "
+                                                  "scaling; load it with mixed_precision='fp16'"):
+            acc.load_state(str(folder))
+        _nothing_loaded(acc, model, opt, before)
+        return
+    acc, model, opt, loader, sched, seen = R.build("mixprec", 123, mixed_precision="fp16")
+    acc.load_state(str(folder))
+    state = acc.engine.scaler_state_dict()
+    assert state["scale"] == 1024.0 and state["_growth_tracker"] == 2
+
+
+def _fresh(backend="single", **options):
+    acc, model, opt, loader, sched, seen = R.build("mixprec", 123, backend, **options)
     before = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items()}
     return acc, model, opt, before
 

@@ -5,6 +5,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+# Keys: torch_version (str), cuda (bool), cuda_archs (list[str]: CMake CUDA_ARCHITECTURES
+# entries the kernels were compiled for, "75-real" SASS, "120-virtual" PTX, "120" both; empty
+# without CUDA), cxx11_abi (bool), compiler (str).
 def build_info() -> dict[str, object]: ...
 
 # ---- precision (csrc/precision) -------------------------------------------

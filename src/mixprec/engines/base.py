@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .. import kernels
+from .. import cuda_arch, kernels
 from ..errors import NonFiniteGradientsError, UnscaledBackwardError
 from ..policy import PrecisionPolicy
 from ..step import DeviceScalars, StepResult, check_clip_limit
@@ -91,6 +91,8 @@ class Engine:
 
     def __init__(self, policy: PrecisionPolicy, device: torch.device, comm_cls: type[Comm] = SingleComm,
                  *, fused_optimizer: bool = True, **engine_options) -> None:
+        if device.type == "cuda":  # a GPU the kernels were not compiled for: refused here (cuda_arch.py)
+            cuda_arch.check_device(device, fused_kernels=fused_optimizer)
         self.comm = comm_cls(policy, device, **engine_options)  # the backend's communication
         self.policy = self.comm.policy  # resolved precision policy (a comm may adjust it)
         self.device = device  # where parameters and gradients live

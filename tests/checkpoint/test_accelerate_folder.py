@@ -222,3 +222,47 @@ def test_a_sharded_backend_refuses_positional_optimizer_state(accelerate_run):
     assert "backend='zero2'" in message and "Load this folder with backend='ddp'" in message, message
     after = acc.unwrap_model(model).state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+_TWO_MODELS = """
+import sys, torch
+from accelerate import Accelerator
+torch.manual_seed(0)
+acc = Accelerator(cpu=True)
+m1, m2 = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9)
+m1, m2, o1, o2 = acc.prepare(m1, m2, o1, o2)
+for _ in range(2):
+    acc.backward(m2(m1(torch.randn(5, 4))).pow(2).mean()); o1.step(); o2.step(); o1.zero_grad(); o2.zero_grad()
+acc.save_state(sys.argv[1])
+torch.save([m1.state_dict(), m2.state_dict(), o1.state_dict(), o2.state_dict()], sys.argv[1] + ".ref")
+"""
+
+
+def test_two_models_and_two_optimizers(tmp_path):
+    """model_1.safetensors and optimizer_1.bin go to the second model and optimizer (an SGD
+    with momentum beside an AdamW), each state exactly Accelerate's."""
+    from mixprec import Accelerator
+
+    folder = tmp_path / "two"
+    out = subprocess.run([sys.executable, "-c", _TWO_MODELS, str(folder)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "model.safetensors", "model_1.safetensors", "optimizer.bin", "optimizer_1.bin", "random_states_0.pkl"]
+    torch.manual_seed(5)
+    acc = Accelerator(cpu=True, log_policy=False)
+    m1, m2 = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9)
+    m1, m2, o1, o2 = acc.prepare(m1, m2, o1, o2)
+    acc.load_state(str(folder))
+    ref = torch.load(str(folder) + ".ref", weights_only=True)
+    for saved, model in zip(ref[:2], (m1, m2)):
+        got = acc.unwrap_model(model).state_dict()
+        assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
+    for saved, opt in zip(ref[2:], (o1, o2)):
+        got = opt.state_dict()
+        assert saved["state"].keys() == got["state"].keys() == {0, 1}
+        assert all(torch.equal(v, got["state"][i][k]) for i, e in saved["state"].items() for k, v in e.items())
+        assert saved["param_groups"] == got["param_groups"]

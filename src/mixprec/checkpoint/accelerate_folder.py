@@ -477,7 +477,7 @@ def _optimizer_param_keys(acc, j: int) -> list:
         prefix = fmt.model_prefix(i)
         for name, t in model.state_dict(keep_vars=True).items():
             src = master_of.get(id(t), t)
-            key_of.setdefault(id(src), (prefix + name)[len(fmt.MODEL_PREFIX):])
+            key_of.setdefault(id(src), name if i == 0 else prefix + name)
     out = []
     for g, group in enumerate(acc.prepared.raw_optimizers()[j].param_groups):
         keys = []

@@ -21,7 +21,7 @@ def replicated_state_shards(precision, models: list[nn.Module], optimizers: list
         prefix = model_prefix(i)
         for name, t in model.state_dict(keep_vars=True).items():
             src = precision.master_of.get(id(t), t)
-            key_of.setdefault(id(src), (prefix + name)[len("model/"):])
+            key_of.setdefault(id(src), (name if prefix == "model/" else prefix + name))
             src = src.detach()
             shards.append(Shard(prefix + name, tuple(src.shape), src.dtype, 0, src.reshape(-1), True))
     for j, optimizer in enumerate(optimizers):
@@ -61,7 +61,7 @@ def replicated_load_state_shards(precision, models: list[nn.Module], optimizers:
         prefix = model_prefix(i)
         for name, t in model.state_dict(keep_vars=True).items():
             dst = precision.master_of.get(id(t), t)
-            key_of.setdefault(id(dst), (prefix + name)[len("model/"):])
+            key_of.setdefault(id(dst), (name if prefix == "model/" else prefix + name))
             staged.append((dst, whole(prefix + name)))
     optim_states = []
     for j, optimizer in enumerate(optimizers):

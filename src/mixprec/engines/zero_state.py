@@ -68,7 +68,7 @@ def _optimizer_layout(comm, optimizer, owned):
         pieces = []
         for index, offset, param_offset, numel in ranges:
             if seg_start <= offset and offset + numel <= seg_end:
-                keys = [(prefix + n)[len("model/"):] for n in names[id(params[index])]]
+                keys = [(n if prefix == "model/" else prefix + n) for n in names[id(params[index])]]
                 pieces.append((keys, tuple(params[index].shape), param_offset, offset - seg_start, numel))
         layout.append((m, pieces))
     return layout

@@ -248,7 +248,8 @@ def assert_continues_as_accelerate(folder, ours: list, theirs: list) -> None:
         # ... and mixprec is no farther from float64 than Accelerate's fp32 run (x2: rounding).
         assert ours_loss <= 2 * theirs_loss, (r, ours_loss, theirs_loss)
         assert max(abs(x["loss"] - y["loss"]) for x, y in zip(o["records"], t["records"])) <= theirs_loss, r
-        theirs_w, ours_w = weight_error(t["weights"], reference["weights"]), weight_error(o["weights"], reference["weights"])
+        theirs_w = weight_error(t["weights"], reference["weights"])
+        ours_w = weight_error(o["weights"], reference["weights"])
         assert 0 < theirs_w < 1e-5 and ours_w <= 2 * theirs_w, (r, ours_w, theirs_w)
         assert weight_error(o["weights"], t["weights"]) <= theirs_w, r
 

@@ -100,7 +100,8 @@ def test_bf16_tensors_widen_exactly_into_the_fp32_masters(accelerate_run, tmp_pa
     assert all(torch.equal(state[i][k], v.float()) for i, e in sd["state"].items() for k, v in e.items())
     # fp32 into a run whose parameters are bf16 without masters would round: refused.
     acc, model, opt, before = _fresh(mixed_precision="bf16-pure")
-    with pytest.raises(mixprec_error(), match="mis-typed keys .*model/0.weight: checkpoint dtype torch.float32 vs model torch.bfloat16"):
+    refusal = "mis-typed keys .*model/0.weight: checkpoint dtype torch.float32 vs model torch.bfloat16"
+    with pytest.raises(mixprec_error(), match=refusal):
         acc.load_state(str(accelerate_run[0]))
     _nothing_loaded(acc, model, opt, before)
 

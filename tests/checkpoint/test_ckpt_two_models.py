@@ -30,7 +30,8 @@ def _tensors(path) -> dict:
     return {n: reader(n, 0, int(torch.Size(shape).numel())) for n, (shape, _) in reader.index.items()}
 
 
-@pytest.mark.parametrize("saver,loader", [("single", "single"), ("zero2", "zero2"), ("single", "zero2"), ("zero2", "single")])
+@pytest.mark.parametrize("saver,loader", [("single", "single"), ("zero2", "zero2"), ("single", "zero2"),
+                                          ("zero2", "single")])
 def test_second_models_optimizer_state_round_trips(tmp_path, saver, loader):
     acc, models, opts = _run(saver, 0)
     for _ in range(2):

@@ -46,7 +46,8 @@ def _accelerate_ddp(folder, out, world: int = 2, timeout: float = 300) -> None:
                 p.kill()
                 p.wait()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"Accelerate rank {r} exited {procs[r].returncode}:\n{outputs[r][-3000:]}" for r in failed)
+    assert not failed, "\n".join(f"Accelerate rank {r} exited {procs[r].returncode}:\n{outputs[r][-3000:]}"
+                                 for r in failed)
 
 
 def test_a_ddp_accelerate_folder_resumes_on_mixprec_ddp_rank_by_rank(tmp_path):

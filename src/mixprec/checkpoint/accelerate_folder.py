@@ -98,11 +98,12 @@ def is_accelerate_folder(path) -> bool:
                for p in path.iterdir())
 
 
-def _numbered(names: list, stem: str, ext: str) -> dict:
-    """``{index: name}`` of ``<stem><ext>`` (index 0) and ``<stem>_<i><ext>``."""
+def _numbered(names: list, stem: str, ext: str, plain: bool = True) -> dict:
+    """``{index: name}`` of ``<stem>_<i><ext>``, and of ``<stem><ext>`` as index 0 when
+    ``plain`` (Accelerate names the first model/optimizer/scheduler without a number)."""
     out = {}
     for n in names:
-        m = re.fullmatch(re.escape(stem) + r"(?:_(\d+))?" + re.escape(ext), n)
+        m = re.fullmatch(re.escape(stem) + (r"(?:_(\d+))?" if plain else r"_(\d+)") + re.escape(ext), n)
         if m:
             out[int(m.group(1) or 0)] = n
     return out
@@ -147,20 +148,14 @@ class AccelerateFolder:
         self.index: dict = {}
         self._read_models(names)
         self._optimizers = self._read_optimizers(names)
-        schedulers = [self._load(n) for _, n in sorted(_numbered(names, "scheduler", ".bin").items())]
-        self._check_numbered(_numbered(names, "scheduler", ".bin"), len(acc.prepared.schedulers), "scheduler")
+        scheduler_files = _numbered(names, "scheduler", ".bin")
+        self._check_numbered(scheduler_files, len(acc.prepared.schedulers), "scheduler")
+        schedulers = [self._load(scheduler_files[k]) for k in sorted(scheduler_files)]
         scaler = self._load("scaler.pt") if "scaler.pt" in names else {}
-        customs = {}
-        for n in names:
-            m = re.fullmatch(r"custom_checkpoint_(\d+)\.pkl", n)
-            if m:
-                customs[int(m.group(1))] = n
-        self._check_numbered(customs, len(custom), "object registered for checkpointing", first="custom_checkpoint_0.pkl")
-        rng_files = {}
-        for n in names:
-            m = re.fullmatch(r"random_states_(\d+)\.pkl", n)
-            if m:
-                rng_files[int(m.group(1))] = n
+        customs = _numbered(names, "custom_checkpoint", ".pkl", plain=False)
+        self._check_numbered(customs, len(custom), "object registered for checkpointing",
+                             first="custom_checkpoint_0.pkl")
+        rng_files = _numbered(names, "random_states", ".pkl", plain=False)
         self._rank_state, step = self._read_rng(rng_files)
         self.metadata = {"format": "accelerate save_state", "backend": "accelerate", "world_size": len(rng_files)}
         self._objects = {
@@ -249,7 +244,8 @@ class AccelerateFolder:
                 f"torch.serialization.add_safe_globals([{what.rsplit('.', 1)[-1]}])"
             ) from None
         except (RuntimeError, EOFError, OSError, ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
-            raise self._error(file, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise self._error(file, f"cannot be read ({type(e).__name__}: {first})") from None
 
     def _handle(self, file: str):
         if file not in self._handles:
@@ -290,7 +286,8 @@ class AccelerateFolder:
             if file.endswith(".safetensors"):
                 try:
                     handle = self._handle(file)
-                    stored = {k: (tuple(handle.get_slice(k).get_shape()), handle.get_slice(k).get_dtype()) for k in handle.keys()}
+                    slices = {k: handle.get_slice(k) for k in handle.keys()}
+                    stored = {k: (tuple(sl.get_shape()), sl.get_dtype()) for k, sl in slices.items()}
                 except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                     raise self._error(file, f"is not a readable safetensors file ({type(e).__name__}: {e})") from None
                 stored = {k: (shape, fmt.dtype_from_str(d)) for k, (shape, d) in stored.items()}

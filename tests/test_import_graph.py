@@ -30,8 +30,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "mixprec"
 

@@ -2,7 +2,7 @@
 
 ``accelerator.backward`` before ``prepare()`` raises naming the call and the fix; gradients a
 plain ``loss.backward()`` left before ``prepare()`` are cleared with a warning ([Note:
-gradients before prepare()] in src/mixprec/accelerator.py), so the run is bitwise the
+gradients before prepare()] in src/mixprec/facade/preparation.py), so the run is bitwise the
 clean run.
 """
 

@@ -1,5 +1,6 @@
 """Accelerate's Accelerator methods that sit beside mixprec's own: process decorators,
-trackers, triggers, ``save``, ``skip_first_batches``, checkpoint hooks, ``free_memory``.
+trackers, triggers, ``save``, ``skip_first_batches``, ``free_memory`` (the checkpoint
+pre-hooks are the checkpoint session's, src/mixprec/facade/checkpoint_session.py).
 
 :class:`mixprec.Accelerator` inherits them from :class:`AccelerateApi`; they only use the
 Accelerator's public state (``state``, ``gradient_state``, the prepared objects).
@@ -11,7 +12,6 @@ import contextlib
 import functools
 import gc
 import os
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -22,17 +22,6 @@ from .options import DistributedType
 
 if TYPE_CHECKING:
     from .state import AcceleratorState
-
-
-class RemovableHandle:
-    """Returned by the ``register_*_hook`` methods; ``remove()`` unregisters the hook."""
-
-    def __init__(self, hooks: "OrderedDict[int, Callable]", key: int) -> None:
-        self._hooks = hooks
-        self.id = key
-
-    def remove(self) -> None:
-        self._hooks.pop(self.id, None)
 
 
 def _only_when(predicate: Callable[[], bool], function: Optional[Callable], name: str):
@@ -175,50 +164,6 @@ class AccelerateApi:
                       metadata={"format": "pt"})
         else:
             torch.save(obj, f)
-
-    def register_save_state_pre_hook(self, hook: Callable) -> RemovableHandle:
-        """``hook(models, weights, output_dir)`` runs on every process at each
-        :meth:`save_state`, after mixprec wrote the checkpoint and before it is reported
-        complete (the directory exists, so the hook can add its own files).
-        ``weights`` are the models' full state dicts. mixprec always saves every prepared
-        model: a hook that removes items from ``models``/``weights`` gets a ValueError."""
-        return self._add_hook(self._save_hooks, hook, "register_save_state_pre_hook")
-
-    def register_load_state_pre_hook(self, hook: Callable) -> RemovableHandle:
-        """``hook(models, input_dir)`` runs on every process at each :meth:`load_state`, before
-        the checkpoint is read (mixprec still loads every prepared model afterwards)."""
-        return self._add_hook(self._load_hooks, hook, "register_load_state_pre_hook")
-
-    @staticmethod
-    def _add_hook(hooks: "OrderedDict[int, Callable]", hook: Callable, name: str) -> RemovableHandle:
-        if not callable(hook):
-            raise TypeError(f"{name}() needs a callable, got {hook!r}")
-        key = max(hooks, default=-1) + 1
-        hooks[key] = hook
-        return RemovableHandle(hooks, key)
-
-    def _run_save_hooks(self, output_dir: str) -> None:
-        if not self._save_hooks:
-            return
-        models = list(self._models)
-        weights = [self.get_state_dict(m) for m in models]
-        for hook in list(self._save_hooks.values()):
-            hook(models, weights, output_dir)
-        if len(models) != len(self._models) or len(weights) != len(self._models):
-            raise ValueError(
-                "a save_state pre-hook removed entries from models/weights to skip saving them; mixprec "
-                "always saves every prepared model (the checkpoint is complete either way): leave the lists as they are"
-            )
-
-    def _run_load_hooks(self, input_dir: str) -> None:
-        models = list(self._models)
-        for hook in list(self._load_hooks.values()):
-            hook(models, input_dir)
-        if len(models) != len(self._models):
-            raise ValueError(
-                "a load_state pre-hook removed entries from models to skip loading them; mixprec always "
-                "loads every prepared model: leave the list as it is"
-            )
 
     # ------------------------------------------------------------------ data
     def skip_first_batches(self, dataloader, num_batches: int = 0):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ import torch
 from .. import registry
 from ..distributed import collectives
 from ..distributed.state import DistributedState
+from ..engines import ENGINES, shards_parameters
 from ..registry import live_accelerator, register  # noqa: F401 - compat_state.register, as before
 from .options import DistributedType
 
@@ -137,9 +137,10 @@ class PartialState(DistributedState, metaclass=_Shared):
     def distributed_type(self) -> DistributedType:
         """Accelerate's name for this setup: NO on one process; FSDP for the zero3/fsdp
         (sharded-parameter) engines; else MULTI_GPU / MULTI_CPU by device."""
-        if self.world_size == 1 and self.backend_name == "single":
+        comm = ENGINES.get(self.backend_name)  # the backend's Comm class says what it does
+        if self.world_size == 1 and comm is not None and not comm.distributed:
             return DistributedType.NO
-        if self.backend_name in ("zero3", "fsdp"):
+        if comm is not None and shards_parameters(comm):
             return DistributedType.FSDP
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 

@@ -7,14 +7,15 @@ from typing import Optional
 
 import torch
 
-from ..engines.fsdp import map_mixed_precision
+from ..engines import ENGINES, shards_parameters
+from ..engines.fsdp import FSDPComm, map_mixed_precision
 from ..engines.zero import DEEPSPEED_SCALER
 from ..policy import PrecisionPolicy, dtype_name
 from .fields import DTYPES, format_value
 from .resolve import ResolvedConfig, engine_kwargs
 from .schema import BACKEND_BLOCKS, MixprecConfig
 
-BACKENDS = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
+BACKENDS = tuple(ENGINES)  # "single", "ddp", "zero1", "zero2", "zero3", "fsdp"
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -35,22 +36,23 @@ def policy_of(config: MixprecConfig) -> PrecisionPolicy:
 
 def precision_row(backend: str, policy: PrecisionPolicy, config: MixprecConfig) -> tuple[str, ...]:
     """``(backend, params, compute, grad reduce, accumulate, masters, loss scaling)`` for one
-    backend, as its engine applies ``policy`` (read from src/mixprec/engines)."""
-    sharded = backend in ("zero1", "zero2", "zero3", "fsdp")
+    backend, as its engine applies ``policy``: the facts are its Comm class's (src/mixprec/engines)."""
+    comm = ENGINES[backend]
+    sharded = comm.owns_masters  # the optimizer steps fp32 master shards the comm owns (zero1/2/3, fsdp)
     options = engine_kwargs(config, backend)
     if sharded and policy.master_dtype is None:
         return (backend, f"not supported: {backend} keeps fp32 master shards, "
                 f"mixed_precision={policy.name!r} has none (use 'bf16')", "", "", "", "", "")
-    if backend == "fsdp":
+    if issubclass(comm, FSDPComm):  # FSDP2's MixedPrecisionPolicy fields map onto the policy
         fsdp = {k: options[k] for k in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs") if k in options}
         try:
             policy = map_mixed_precision(policy, **fsdp)
         except ValueError as e:
             return (backend, f"error: {e}", "", "", "", "", "")
     stored = dtype_name(policy.param_dtype) if policy.param_dtype is not None else "as given"
-    if backend in ("zero3", "fsdp"):
+    if shards_parameters(comm):
         stored += ", 1/N shard (gathered per unit)"
-    if backend == "single":
+    if not comm.distributed:
         reduce = "- (one process)"
     elif sharded:
         reduce = "fp32 (reduce-scatter into fp32 shards)"

@@ -257,28 +257,9 @@ class _Mismatch(Exception):
 def _coerce(tp: Any, value: Any, text: bool) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Union:
-        if type(None) in args and (value is None or (text and str(value).strip().lower() in _NULL_TEXT)):
-            return None
-        members = [a for a in args if a is not type(None)]
-        if text and str in members and isinstance(value, str) and not value.startswith("size:"):
-            members.sort(key=lambda a: a is str)  # text "A,B" is a list; only "size:<n>" is a string
-        for arg in members:
-            try:
-                return _coerce(arg, value, text)
-            except _Mismatch:
-                continue
-        raise _Mismatch
+        return _coerce_union(args, value, text)
     if origin is Literal:
-        if args and set(args) <= set(_DTYPE_ALIASES.values()):  # a dtype: accept torch dtypes and aliases
-            key = value.replace("torch.", "") if isinstance(value, str) else value
-            if isinstance(key, (str, torch.dtype)) and key in _DTYPE_ALIASES:
-                return _DTYPE_ALIASES[key]
-            raise _Mismatch
-        if isinstance(value, str) and value in args:
-            return value
-        if value is False and "no" in args:  # YAML 1.1 reads an unquoted `no` as false
-            return "no"
-        raise _Mismatch
+        return _coerce_literal(args, value)
     if origin is tuple:
         if text and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
@@ -286,35 +267,58 @@ def _coerce(tp: Any, value: Any, text: bool) -> Any:
             raise _Mismatch
         # Classes are accepted where class names are expected (e.g. units=[MyBlock]).
         return tuple(_coerce(args[0], v.__name__ if isinstance(v, type) else v, text) for v in value)
+    if tp in (bool, int, float, str):
+        return _coerce_scalar(tp, value, text)
+    raise TypeError(f"schema type {tp!r} is not handled by mixprec.config.fields")  # invariant
+
+
+def _coerce_union(args: tuple, value: Any, text: bool) -> Any:
+    if type(None) in args and (value is None or (text and str(value).strip().lower() in _NULL_TEXT)):
+        return None
+    members = [a for a in args if a is not type(None)]
+    if text and str in members and isinstance(value, str) and not value.startswith("size:"):
+        members.sort(key=lambda a: a is str)  # text "A,B" is a list; only "size:<n>" is a string
+    for arg in members:
+        try:
+            return _coerce(arg, value, text)
+        except _Mismatch:
+            continue
+    raise _Mismatch
+
+
+def _coerce_literal(args: tuple, value: Any) -> Any:
+    if args and set(args) <= set(_DTYPE_ALIASES.values()):  # a dtype: accept torch dtypes and aliases
+        key = value.replace("torch.", "") if isinstance(value, str) else value
+        if isinstance(key, (str, torch.dtype)) and key in _DTYPE_ALIASES:
+            return _DTYPE_ALIASES[key]
+        raise _Mismatch
+    if isinstance(value, str) and value in args:
+        return value
+    if value is False and "no" in args:  # YAML 1.1 reads an unquoted `no` as false
+        return "no"
+    raise _Mismatch
+
+
+def _coerce_scalar(tp: type, value: Any, text: bool) -> Any:
+    """bool, int, float or str; ``text``: also from its text (an env var, a flag)."""
     if tp is bool:
         if isinstance(value, bool):
             return value
         if text and isinstance(value, str) and value.strip().lower() in _TRUE_TEXT + _FALSE_TEXT:
             return value.strip().lower() in _TRUE_TEXT
         raise _Mismatch
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if text and isinstance(value, str):
-            try:
-                return int(value.strip())
-            except ValueError:
-                raise _Mismatch from None
-        raise _Mismatch
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if text and isinstance(value, str):
-            try:
-                return float(value.strip().replace(".inf", "inf"))
-            except ValueError:
-                raise _Mismatch from None
-        raise _Mismatch
     if tp is str:
         if isinstance(value, str):
             return value
         raise _Mismatch
-    raise TypeError(f"schema type {tp!r} is not handled by mixprec.config.fields")  # invariant
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (tp is float or isinstance(value, int)):
+        return float(value) if tp is float else value
+    if text and isinstance(value, str):
+        try:
+            return int(value.strip()) if tp is int else float(value.strip().replace(".inf", "inf"))
+        except ValueError:
+            raise _Mismatch from None
+    raise _Mismatch
 
 
 def to_plain(value: Any) -> Any:

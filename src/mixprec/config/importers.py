@@ -169,38 +169,8 @@ def _deepspeed(data: dict, r: ImportReport) -> None:
                     _ds_zero_key(f"zero_optimization.{sub}", sub, v, block, r)
         elif key in ("bf16", "fp16"):
             _ds_precision(key, value, precision, r)
-        elif key == "gradient_clipping":
-            if value == "auto":
-                r.refuse(key, value, _AUTO)
-            elif value == 0:
-                r.ignore(key, value, "0 disables clipping in DeepSpeed (gradient_clipping: null, the default)")
-            else:
-                r.set(key, value, "gradient_clipping", float(value))
-        elif key == "gradient_accumulation_steps":
-            if value == "auto":
-                r.refuse(key, value, _AUTO)
-            else:
-                r.set(key, value, "gradient_accumulation_steps", value)
-        elif key in ("optimizer", "scheduler"):
-            kind = value.get("type", "?") if isinstance(value, dict) else value
-            r.ignore(key, value, f"create the {key} ({kind}) yourself in your script and pass it to prepare()")
-        elif key == "zero_allow_untested_optimizer":
-            if block == "ddp" or not value:
-                r.ignore(key, value, "ddp steps the whole model: any optimizer works")
-            else:
-                r.set(key, value, f"{block}.elementwise_optimizer", True,
-                      " (only for optimizers whose update is element-wise)")
-        elif key == "communication_data_type":
-            if str(value).lower() in ("fp32", "float32"):
-                r.ignore(key, value, "mixprec reduces gradients in fp32")
-            else:
-                r.refuse(key, value, "mixprec reduces gradients in fp32 (reduced-precision gradient "
-                         "communication is not supported); remove the key")
-        elif key in ("prescale_gradients", "gradient_predivide_factor"):
-            if value in (False, 1, 1.0):
-                r.ignore(key, value, "mixprec averages gradients in fp32")
-            else:
-                r.refuse(key, value, "gradient pre-scaling is not supported (fp32 averaging); remove the key")
+        elif _ds_training_key(key, value, block, r):
+            pass
         elif key == "activation_checkpointing":
             _ds_activation_checkpointing(value, r)
         elif key == "tensor_parallel":
@@ -216,6 +186,46 @@ def _deepspeed(data: dict, r: ImportReport) -> None:
             r.refuse(key, value, _DS_REFUSED[key])
         else:
             r.refuse(key, value, "unknown DeepSpeed key, not converted; remove it or report it")
+
+
+def _ds_training_key(key: str, value: Any, block: str, r: ImportReport) -> bool:
+    """The DeepSpeed keys about the step (clipping, accumulation, optimizer, gradient
+    communication); False for any other key."""
+    if key == "gradient_clipping":
+        if value == "auto":
+            r.refuse(key, value, _AUTO)
+        elif value == 0:
+            r.ignore(key, value, "0 disables clipping in DeepSpeed (gradient_clipping: null, the default)")
+        else:
+            r.set(key, value, "gradient_clipping", float(value))
+    elif key == "gradient_accumulation_steps":
+        if value == "auto":
+            r.refuse(key, value, _AUTO)
+        else:
+            r.set(key, value, "gradient_accumulation_steps", value)
+    elif key in ("optimizer", "scheduler"):
+        kind = value.get("type", "?") if isinstance(value, dict) else value
+        r.ignore(key, value, f"create the {key} ({kind}) yourself in your script and pass it to prepare()")
+    elif key == "zero_allow_untested_optimizer":
+        if block == "ddp" or not value:
+            r.ignore(key, value, "ddp steps the whole model: any optimizer works")
+        else:
+            r.set(key, value, f"{block}.elementwise_optimizer", True,
+                  " (only for optimizers whose update is element-wise)")
+    elif key == "communication_data_type":
+        if str(value).lower() in ("fp32", "float32"):
+            r.ignore(key, value, "mixprec reduces gradients in fp32")
+        else:
+            r.refuse(key, value, "mixprec reduces gradients in fp32 (reduced-precision gradient "
+                     "communication is not supported); remove the key")
+    elif key in ("prescale_gradients", "gradient_predivide_factor"):
+        if value in (False, 1, 1.0):
+            r.ignore(key, value, "mixprec averages gradients in fp32")
+        else:
+            r.refuse(key, value, "gradient pre-scaling is not supported (fp32 averaging); remove the key")
+    else:
+        return False
+    return True
 
 
 def _ds_zero_key(src: str, sub: str, value: Any, block: str, r: ImportReport) -> None:

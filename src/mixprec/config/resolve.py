@@ -216,6 +216,7 @@ def resolve(
     engine_options: Optional[Mapping[str, Any]] = None,
     env: Optional[Mapping[str, str]] = None,
     world_size: Optional[int] = None,
+    backend_options: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> ResolvedConfig:
     """Merge every source into one :class:`ResolvedConfig`.
 
@@ -226,6 +227,9 @@ def resolve(
     the environment (default ``os.environ``). ``world_size``: to resolve ``backend: auto``
     and check that it is a multiple of ``tensor_parallel.size`` (default ``$WORLD_SIZE`` or
     1; a world of one process is not checked: nothing is launched yet).
+    ``backend_options``: ``{backend: options}`` that join ``engine_options`` only when that
+    backend runs, ``engine_options`` winning on a shared key (Accelerate's
+    ``DistributedDataParallelKwargs`` give ``{"ddp": {...}}``).
 
     Example::
 
@@ -237,11 +241,39 @@ def resolve(
         world_size = int(env.get("WORLD_SIZE", "1"))
     infos = all_leaves()
     given: dict[str, list[tuple[Any, str]]] = {}
-    files: list[str] = []
 
     def add(path: str, value: Any, source: str) -> None:
         given.setdefault(path, []).append((value, source))
 
+    files = _read_sources(config, env, add)
+    for path, (value, source) in read_env(env).items():
+        add(path, value, source)
+    for path, (value, name) in (args or {}).items():
+        source = f"argument {name}="
+        add(path, coerce(infos[path], value, source), source)
+
+    backend = _agreed("backend", given.get("backend", []), infos["backend"].default)
+    engine = effective_backend(backend, world_size)
+    options = {**(backend_options or {}).get(engine, {}), **(engine_options or {})}
+    if options:
+        _add_engine_options(engine, backend, options, add)
+
+    settings: dict[str, Setting] = {}
+    for path, info in infos.items():
+        values = given.get(path)
+        if values:
+            settings[path] = Setting(_agreed(path, values, None), values[0][1])
+        else:
+            settings[path] = Setting(info.default, "default")
+    built = _build(MixprecConfig, {p: s.value for p, s in settings.items()})
+    _check_tensor_parallel(built, settings, world_size)
+    return ResolvedConfig(built, settings, engine, tuple(files))
+
+
+def _read_sources(config: ConfigLike, env: Mapping[str, str], add) -> list[str]:
+    """Give ``add(path, value, source)`` every value of the ``MIXPREC_CONFIG_FILE`` file and
+    of ``config``; returns the files read."""
+    files: list[str] = []
     env_file = env.get(CONFIG_FILE_ENV)
     if env_file:
         files.append(str(Path(env_file)))
@@ -268,27 +300,7 @@ def resolve(
             refuse_foreign_format(data, config)
             for path, value in flatten(data, f"file {config}").items():
                 add(path, value, f"file {config}")
-    for path, (value, source) in read_env(env).items():
-        add(path, value, source)
-    for path, (value, name) in (args or {}).items():
-        source = f"argument {name}="
-        add(path, coerce(infos[path], value, source), source)
-
-    backend = _agreed("backend", given.get("backend", []), infos["backend"].default)
-    engine = effective_backend(backend, world_size)
-    if engine_options:
-        _add_engine_options(engine, backend, engine_options, add)
-
-    settings: dict[str, Setting] = {}
-    for path, info in infos.items():
-        values = given.get(path)
-        if values:
-            settings[path] = Setting(_agreed(path, values, None), values[0][1])
-        else:
-            settings[path] = Setting(info.default, "default")
-    built = _build(MixprecConfig, {p: s.value for p, s in settings.items()})
-    _check_tensor_parallel(built, settings, world_size)
-    return ResolvedConfig(built, settings, engine, tuple(files))
+    return files
 
 
 def _check_tensor_parallel(config: MixprecConfig, settings: Mapping[str, Setting], world_size: int) -> None:

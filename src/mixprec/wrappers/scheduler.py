@@ -24,7 +24,7 @@ class PreparedScheduler:
     Accelerate advances a schedule ``num_processes`` times per optimizer step because every
     process read its own batch: a schedule written in one process's batches then ends with
     the epoch. Under tensor or sequence parallelism the ranks of a TP/SP group read the same
-    batch (the loader shards over ``mesh.dp_size`` parts, accelerator.py
+    batch (the loader shards over ``mesh.dp_size`` parts, facade/loaders.py
     ``prepare_data_loader``), so the count is ``mesh.dp_size = world // (tp * sp)``
     (``Accelerator.prepare_scheduler``); ``accelerator.num_processes`` stays the process count.
     """

@@ -1,0 +1,249 @@
+"""Preparation: ``prepare()`` and what it does to models, optimizers and schedulers
+(dataloaders: facade/loaders.py).
+
+A model goes through tensor parallelism, the engine, sequence parallelism and activation
+checkpointing in one ordered function (parallel/compose.py); an optimizer is handed to the
+engine (pointed at the fp32 masters or the shards), with the automatic clipping and the
+fp16 overflow watch as its hooks; a scheduler follows the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..compat import state as compat_state
+from ..diagnostics.overflow import OverflowWatch, check_overflow_budget
+from ..engines.gathered import is_guarded
+from ..parallel import materialize
+from ..parallel import tensor as tensor_parallel
+from ..parallel.compose import compose
+from ..startup import startup_line
+from ..wrappers.model import is_prepared, restore_class
+from ..wrappers.optimizer import PreparedOptimizer
+from ..wrappers.scheduler import PreparedScheduler
+
+_SUPPORTED = "torch.nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader, LR scheduler"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedObjects:
+    """What an Accelerator prepared, in prepare() order (live lists: read, do not mutate).
+    ``save_state``/``load_state`` (src/mixprec/checkpoint/state.py) go through this view
+    and the engine's checkpoint contract, not through the Accelerator's internals."""
+
+    models: list
+    optimizers: list
+    schedulers: list
+    dataloaders: list
+
+    def raw_optimizers(self) -> list:
+        """The users' torch optimizers behind the prepared ones."""
+        return [o.optimizer for o in self.optimizers]
+
+
+class StaleGradientsWarning(UserWarning):
+    """``prepare()`` cleared gradients a backward before it left on the model's parameters."""
+
+
+class Preparation:
+    """Mixin of :class:`mixprec.Accelerator`: ``prepare`` and the models, optimizers and
+    schedulers it wraps (into ``_models``, ``_optimizers``, ``_schedulers``)."""
+
+    def _start_preparation(self, cfg: Any, scheduler_step_rule: str) -> None:
+        """The settings prepared objects follow, from the resolved config."""
+        self.scheduler_step_rule = scheduler_step_rule
+        self.step_scheduler_with_optimizer = cfg.step_scheduler_with_optimizer
+        # Clip to this norm before every real step the user did not clip (None: off).
+        self.gradient_clipping: Optional[float] = cfg.gradient_clipping
+        # fp16: consecutive overflow-skipped steps tolerated before raising (None: never).
+        self.max_consecutive_overflows: Optional[int] = cfg.max_consecutive_overflows
+        check_overflow_budget(self.max_consecutive_overflows)
+        self._log_policy = cfg.log_policy  # the start-up line at the first prepared model
+
+    def _check_not_reset(self) -> None:
+        """After ``AcceleratorState._reset_state()`` an Accelerator made before it cannot
+        prepare, as in Accelerate ([Note: state objects backed by the live Accelerator] in
+        compat/state.py)."""
+        if self.__dict__.get("_state_reset"):
+            raise AttributeError(compat_state.RESET_MESSAGE.format(name="distributed_type"))
+
+    def prepare(self, *objs: Any):
+        """Wrap models, optimizers, dataloaders and schedulers; returned in the order given.
+
+        Models are prepared first, then optimizers (so they can be pointed at fp32
+        masters), then schedulers and dataloaders.
+        """
+        self._check_not_reset()
+        for obj in objs:
+            if not isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)) and not _is_scheduler(obj):
+                raise TypeError(
+                    f"prepare() got an object of type {type(obj).__module__}.{type(obj).__qualname__}, "
+                    f"which it cannot wrap; it accepts: {_SUPPORTED}. Pass the others to your loop as they are."
+                )
+        out: list[Any] = list(objs)
+        for i, obj in enumerate(objs):
+            if isinstance(obj, nn.Module):
+                out[i] = self.prepare_model(obj)
+        for i, obj in enumerate(objs):
+            if isinstance(obj, torch.optim.Optimizer):
+                out[i] = self.prepare_optimizer(obj)
+        for i, obj in enumerate(objs):
+            if isinstance(obj, torch.utils.data.DataLoader):
+                out[i] = self.prepare_data_loader(obj)
+            elif _is_scheduler(obj):
+                out[i] = self.prepare_scheduler(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    @staticmethod
+    def init_empty_weights(include_buffers: bool = False):
+        """Accelerate's ``init_empty_weights``: parameters created inside are on the meta device
+        (no memory); ``prepare()`` materialises them, under tensor parallelism only this rank's
+        shards ([Note: materialising a meta model shard by shard] in parallel/materialize.py)::
+
+            with accelerator.init_empty_weights():
+                model = AutoModelForCausalLM.from_config(config)
+            model = accelerator.prepare(model)
+        """
+        return materialize.init_empty_weights(include_buffers)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        self._check_not_reset()
+        if isinstance(model, PreparedOptimizer):
+            raise TypeError("prepare_model() got an optimizer")
+        if is_prepared(model) and model in self._models:
+            return model
+        _clear_stale_grads(model)
+        compose(self, model)  # TP, the engine, SP, checkpointing: [Note: the order of the parallelisms]
+        _gather_for_save_pretrained(self, model)
+        self._models.append(model)
+        if self._log_policy and not self._policy_logged:
+            self.print(startup_line(self, model), flush=True)  # mixprec/startup.py
+            self._policy_logged = True
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+        self._check_not_reset()
+        if isinstance(optimizer, PreparedOptimizer):
+            return optimizer
+        if self._tp:
+            tensor_parallel.swap_optimizer_params(optimizer, self._models)
+        state = self.engine.prepare_optimizer(optimizer)
+        prepared = PreparedOptimizer(optimizer, self.engine, state, self.gradient_state)
+        if self.gradient_clipping is not None:
+            prepared.pre_step_hooks.append(self._auto_clip)
+        if self.engine.scaler is not None and self.max_consecutive_overflows is not None:
+            # The watch holds the scaler, not this Accelerator: no reference cycle keeps the
+            # engine (and its process group) alive (see [Note: no reference cycles]).
+            watch = OverflowWatch(self.max_consecutive_overflows, self._models, self.state,
+                                  self.engine.scaler.scale_value)
+            prepared.post_step_hooks.append(watch.after_step)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def _auto_clip(self, optimizer: PreparedOptimizer) -> None:
+        """Pre-step hook (``gradient_clipping``): clip all prepared models' gradients unless
+        they were clipped for this step. The engine records a step's clip in every
+        optimizer's state (``grad_norm``, cleared by that optimizer's step), so a manual
+        ``clip_grad_norm_`` call, or this hook run for an earlier optimizer of the same
+        step, is seen and the gradients are not clipped twice."""
+        if optimizer._state.grad_norm is not None:
+            return
+        params = [p for model in self._models for p in model.parameters()]
+        self.clip_grad_norm_(params, self.gradient_clipping)
+
+    def prepare_scheduler(self, scheduler) -> PreparedScheduler:
+        self._check_not_reset()
+        if isinstance(scheduler, PreparedScheduler):
+            return scheduler
+        inner = getattr(scheduler, "optimizer", None)
+        optimizers = [o for o in self._optimizers if o.optimizer is inner or o is inner] or list(self._optimizers)
+        # Accelerate's rule advances by the processes that each read their own batch: the
+        # data-parallel size. TP/SP peers share one batch ([Note: the rank mesh] in
+        # parallel/mesh.py), so a mesh counts dp = world // (tp * sp), not num_processes.
+        batches_per_step = self.num_processes if self.mesh is None else self.mesh.dp_size
+        steps = 1 if self.scheduler_step_rule == "optimizer" or self.split_batches else batches_per_step
+        prepared = PreparedScheduler(
+            scheduler, optimizers, self.gradient_state, self.step_scheduler_with_optimizer,
+            steps_per_optimizer_step=steps,
+        )
+        self._schedulers.append(prepared)
+        return prepared
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        """The user's module. With ``keep_fp32_wrapper=False`` the policy's forward
+        behaviour (autocast, input/output casts) is removed from it."""
+        if not keep_fp32_wrapper:
+            restore_class(model)
+        return model
+
+    @property
+    def tp_plan(self) -> dict:
+        """Under tensor parallelism, every split parameter of the prepared models -> its
+        partition (style, split dimension, global shape, which plan chose it); parameters
+        not listed are replicated. Empty without tensor parallelism."""
+        out = {}
+        for i, model in enumerate(self._models):
+            layout = tensor_parallel.layout_of(model)
+            if layout is not None:
+                prefix = "" if i == 0 else f"model{i}/"
+                out.update({prefix + k: v for k, v in layout.describe().items()})
+        return out
+
+
+def _clear_stale_grads(model: nn.Module) -> None:
+    """[Note: gradients before prepare()]
+    A backward run before ``prepare()`` (a sanity-check step, a stray ``loss.backward()``)
+    leaves ``.grad`` on the raw parameters. The engines read ``.grad`` as this step's
+    gradient, so it would be added into the first real step (in fp16 without the loss
+    scale's division). ``prepare()`` clears them (``.grad = None``) and warns, naming how
+    many and which: the run then starts from the same state as a clean one, and a script
+    that ran a deliberate check before ``prepare()`` keeps working. They are cleared rather
+    than refused because no engine could use them (they were never scaled, reduced or
+    accumulated under the policy), and mixprec's own ``backward`` before ``prepare()``
+    raises :class:`NotPreparedError` already."""
+    stale = [name for name, p in model.named_parameters() if p.grad is not None]
+    if not stale:
+        return
+    for p in model.parameters():
+        p.grad = None
+    shown = ", ".join(stale[:4]) + (f", ... ({len(stale) - 4} more)" if len(stale) > 4 else "")
+    warnings.warn(
+        f"prepare(): {len(stale)} parameter(s) of {type(model).__name__} already had gradients ({shown}), "
+        f"from a backward run before prepare(); they were cleared (.grad = None) so that they cannot "
+        f"flow into the first optimizer step. Call backward only after prepare() to silence this "
+        f"([Note: gradients before prepare()] in mixprec/facade/preparation.py)",
+        StaleGradientsWarning, stacklevel=4,
+    )
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "state_dict")
+        and not isinstance(obj, torch.optim.Optimizer)
+    )
+
+
+def _gather_for_save_pretrained(acc: Any, model: nn.Module) -> None:
+    """zero3/fsdp/TP: give the prepared model's context the gather its ``save_pretrained``
+    uses ([Note: save_pretrained of a sharded model] in src/mixprec/wrappers/model.py). Weak
+    references: the model does not keep the Accelerator alive."""
+    ctx = getattr(model, "_mixprec_ctx", None)
+    if ctx is None or not (tensor_parallel.layout_of(model) is not None
+                           or any(is_guarded(p) for p in model.parameters())):
+        return
+    acc_ref, model_ref = weakref.ref(acc), weakref.ref(model)
+
+    def gather() -> dict:
+        owner, m = acc_ref(), model_ref()
+        if owner is None or m is None:
+            raise RuntimeError("save_pretrained() of a zero3/fsdp/TP model whose Accelerator is gone: its full "
+                               "weights cannot be gathered; pass state_dict= taken with accelerator.get_state_dict(model)")
+        return owner.get_state_dict(m)
+
+    ctx.full_state_dict = gather

@@ -228,32 +228,47 @@ def test_a_sharded_backend_refuses_positional_optimizer_state(accelerate_run):
 _TWO_MODELS = """
 import sys, torch
 from accelerate import Accelerator
-torch.manual_seed(0)
-acc = Accelerator(cpu=True)
-m1, m2 = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
-o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
-o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9)
-m1, m2, o1, o2 = acc.prepare(m1, m2, o1, o2)
-for _ in range(2):
-    acc.backward(m2(m1(torch.randn(5, 4))).pow(2).mean()); o1.step(); o2.step(); o1.zero_grad(); o2.zero_grad()
-acc.save_state(sys.argv[1])
-torch.save([m1.state_dict(), m2.state_dict(), o1.state_dict(), o2.state_dict()], sys.argv[1] + ".ref")
+
+def models():
+    m1 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    m1[2].weight = m1[0].weight  # tied: safetensors keeps one of the two names
+    return m1, torch.nn.Linear(4, 2)
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    acc = Accelerator(cpu=True)
+    m1, m2 = models()
+    o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9)
+    m1, m2, o1, o2 = acc.prepare(m1, m2, o1, o2)
+    for _ in range(2):
+        acc.backward(m2(m1(torch.randn(5, 4))).pow(2).mean()); o1.step(); o2.step(); o1.zero_grad(); o2.zero_grad()
+    acc.save_state(sys.argv[1])
+    torch.save([m1.state_dict(), m2.state_dict(), o1.state_dict(), o2.state_dict()], sys.argv[1] + ".ref")
 """
 
 
-def test_two_models_and_two_optimizers(tmp_path):
+def test_two_models_two_optimizers_and_a_tied_weight(tmp_path):
     """model_1.safetensors and optimizer_1.bin go to the second model and optimizer (an SGD
-    with momentum beside an AdamW), each state exactly Accelerate's."""
+    with momentum beside an AdamW), each state exactly Accelerate's; the first model's tied
+    weight, saved under one of its names, fills both."""
+    from safetensors import safe_open
+
     from mixprec import Accelerator
 
     folder = tmp_path / "two"
-    out = subprocess.run([sys.executable, "-c", _TWO_MODELS, str(folder)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _TWO_MODELS, str(folder)], capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in folder.iterdir()) == [
         "model.safetensors", "model_1.safetensors", "optimizer.bin", "optimizer_1.bin", "random_states_0.pkl"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert len({"0.weight", "2.weight"} & set(f.keys())) == 1  # the tied weight, once
+    namespace = {"__name__": "two_models"}
+    exec(_TWO_MODELS, namespace)  # the same models (not __main__: nothing runs)
     torch.manual_seed(5)
     acc = Accelerator(cpu=True, log_policy=False)
-    m1, m2 = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)
+    m1, m2 = namespace["models"]()
     o1 = torch.optim.AdamW(m1.parameters(), lr=1e-2)
     o2 = torch.optim.SGD(m2.parameters(), lr=1e-2, momentum=0.9)
     m1, m2, o1, o2 = acc.prepare(m1, m2, o1, o2)
@@ -262,8 +277,10 @@ def test_two_models_and_two_optimizers(tmp_path):
     for saved, model in zip(ref[:2], (m1, m2)):
         got = acc.unwrap_model(model).state_dict()
         assert saved.keys() == got.keys() and all(torch.equal(saved[k], got[k]) for k in saved)
-    for saved, opt in zip(ref[2:], (o1, o2)):
+    unwrapped = acc.unwrap_model(m1)
+    assert unwrapped[2].weight is unwrapped[0].weight  # still tied
+    for saved, opt, count in zip(ref[2:], (o1, o2), (3, 2)):
         got = opt.state_dict()
-        assert saved["state"].keys() == got["state"].keys() == {0, 1}
+        assert saved["state"].keys() == got["state"].keys() == set(range(count))
         assert all(torch.equal(v, got["state"][i][k]) for i, e in saved["state"].items() for k, v in e.items())
         assert saved["param_groups"] == got["param_groups"]

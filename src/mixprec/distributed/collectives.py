@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..utils import tree_map_tensors
-from .state import DistributedState
+from .devices import group_device
+from .state import DetachedGroup, DistributedState
 from .watchdog import pad_signature, plain_signature, tracked, tree_signature
 
 _REDUCTIONS = ("sum", "mean", "max", "min")
@@ -35,6 +36,14 @@ _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceO
 
 def _single(state: DistributedState) -> bool:
     return state.world_size <= 1
+
+
+def _device(state: DistributedState) -> torch.device:
+    """Where this state's collectives take their tensors ([Note: collectives on the group's
+    device] in distributed/devices.py): a user's host tensor travels there and comes back."""
+    if isinstance(state.group, DetachedGroup):
+        return state.group.device  # raises, naming the fix ([Note: pickling a state])
+    return group_device(state.group)
 
 
 def _check_tensor_tree(tree: Any, fn: str) -> None:
@@ -86,10 +95,10 @@ def gather(state: DistributedState, tree: Any, ranks: Optional[tuple] = None) ->
             t = t.reshape(1)
         if _single(state):
             return t
-        t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(state.world_size)]
-        dist.all_gather(parts, t, group=state.group)
-        return torch.cat(_keep(parts, ranks), dim=0)
+        sent = t.to(_device(state)).contiguous()
+        parts = [torch.empty_like(sent) for _ in range(state.world_size)]
+        dist.all_gather(parts, sent, group=state.group)
+        return torch.cat(_keep(parts, ranks), dim=0).to(t.device)
 
     return tree_map_tensors(one, tree)
 
@@ -135,8 +144,9 @@ def reduce(state: DistributedState, tree: Any, reduction: str = "sum") -> Any:
     def one(t: torch.Tensor) -> torch.Tensor:
         out = t.clone()
         if not _single(state):
-            out = out.contiguous()
-            dist.all_reduce(out, op=_OPS[reduction], group=state.group)
+            sent = t.to(_device(state), copy=True).contiguous()
+            dist.all_reduce(sent, op=_OPS[reduction], group=state.group)
+            out = sent.to(t.device)
         if reduction == "mean":
             out = out / state.world_size
         return out
@@ -159,9 +169,9 @@ def broadcast(state: DistributedState, tree: Any, src: int = 0) -> Any:
         return tree
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        out = t.clone().contiguous()
+        out = t.to(_device(state), copy=True).contiguous()
         dist.broadcast(out, src=src, group=state.group)
-        return out
+        return out.to(t.device)
 
     return tree_map_tensors(one, tree)
 
@@ -212,7 +222,7 @@ def pad_across_processes(
         if _single(state) or t.ndim == 0 or dim >= t.ndim or dim < -t.ndim:
             return t
         d = dim % t.ndim
-        size = torch.tensor([t.shape[d]], dtype=torch.int64, device=t.device)
+        size = torch.tensor([t.shape[d]], dtype=torch.int64, device=_device(state))
         sizes = [torch.empty_like(size) for _ in range(state.world_size)]
         dist.all_gather(sizes, size, group=state.group)
         longest = int(max(s.item() for s in sizes))

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.devices import group_device
+
 
 @contextlib.contextmanager
 def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
@@ -84,8 +86,7 @@ class Materializer:
         self.device = device
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            backend = str(dist.get_backend(group)).lower()
-            on = seed.to(f"cuda:{torch.cuda.current_device()}") if "nccl" in backend else seed
+            on = seed.to(group_device(group))  # [Note: collectives on the group's device]
             dist.broadcast(on, src=dist.get_global_rank(group, 0), group=group)
             seed = on.cpu()
         self.seed = int(seed.item())

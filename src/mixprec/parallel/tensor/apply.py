@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...distributed.devices import group_device
 from .layers import TPGroup, check_divisible, full_from_local, replicate_kv_module, split_module, style_dim
 from .plan import SPLIT_STYLES, LayerPlan, PlanError, nothing_split_message, resolve_plan
 
@@ -369,7 +370,7 @@ class _ReplicaCheck:
             if key in self.decided:
                 return g
             gd = g.detach().double()
-            mine = torch.stack([gd.sum(), gd.square().sum()]).to(_group_device(self.tp.group))
+            mine = torch.stack([gd.sum(), gd.square().sum()]).to(group_device(self.tp.group))
             parts = [torch.empty_like(mine) for _ in range(self.tp.size)]
             dist.all_gather(parts, mine, group=self.tp.group)
             rows = torch.stack(parts).cpu()
@@ -431,20 +432,14 @@ def _grad_allreduce_hook(tp: TPGroup):
     return hook
 
 
-def _group_device(group: Any) -> torch.device:
-    """The device a collective on ``group`` takes its tensors on: NCCL groups the current
-    CUDA device, others (Gloo) the CPU."""
-    backend = str(dist.get_backend(group)).lower()
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-
-
 def _sync_rng(tp: TPGroup) -> None:
     """TP ranks take TP rank 0's torch RNG state (CPU, and the current CUDA device's); the
-    states travel on the group's device (a CPU tensor on an NCCL group fails)."""
+    states travel on the group's device ([Note: collectives on the group's device] in
+    distributed/devices.py: ``get_rng_state()`` is a host tensor, which an NCCL group refuses)."""
     if tp.size == 1:
         return
     src = dist.get_global_rank(tp.group, 0)
-    device = _group_device(tp.group)
+    device = group_device(tp.group)
     state = torch.get_rng_state().to(device)
     dist.broadcast(state, src=src, group=tp.group)
     torch.set_rng_state(state.cpu())
@@ -479,7 +474,7 @@ def _install_input_check(model: nn.Module, tp: TPGroup) -> None:
     def check(module, args, kwargs):
         handle.remove()
         mine = _digest(args, kwargs)
-        device = _group_device(tp.group)
+        device = group_device(tp.group)
         parts = [torch.empty(2, dtype=torch.float64, device=device) for _ in range(tp.size)]
         dist.all_gather(parts, mine.to(device), group=tp.group)
         rows = [p.cpu() for p in parts]

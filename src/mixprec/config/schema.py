@@ -178,10 +178,13 @@ class Zero3Options(ZeroOptions):
     leaf_module_name_suffixes: tuple[str, ...] = ()
     """Leaf modules by the end of their dotted path, e.g. ``[moe]`` matches ``layers.0.moe``
     and ``layers.1.moe``."""
-    check_unit_order: bool = True
-    """Before each unit gather, check that every rank gathers the same unit (one small
-    all-gather): a unit only some ranks call stops the run with an error naming the unit on
-    each rank, instead of pairing different collectives."""
+    check_unit_order: Union[bool, Literal["every_gather"]] = True
+    """Check that every rank runs the same sharding units in the same order: a unit only
+    some ranks call stops the run with an error naming the unit on each rank, instead of
+    pairing different collectives. true: one small all-gather per forward once the order
+    is established, one before each unit gather while it is not (the first two forwards, and
+    after an order not seen before); ``every_gather``: one before each unit gather always;
+    false: off."""
 
 
 @dataclass(frozen=True, kw_only=True)

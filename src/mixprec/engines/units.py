@@ -225,18 +225,26 @@ def assign_params(model: nn.Module, units: list[tuple[str, nn.Module]], names: l
     return out
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a unit is one object, found by its index
 class Unit:
     name: str
     module: "weakref.ref[nn.Module]"  # weak: see [Note: no reference cycles]
     core: object  # _C.ShardedCore
     reshard_after_forward: bool
     is_root: bool = False
+    index: int = -1  # position in UnitRunner.units (set by the runner; the root is last)
     # [Note: agreed launch points]: when this unit's last forward began and ended (the
     # runner's clock), and whether its reductions were launched in the current backward.
     forward_began: int = -1
     forward_ended: int = -1
     launched: bool = False
+    seen: int = -1  # the runner's forward count when this unit last joined `order`
+    entered: int = -1  # the runner's backward count when its backward last began
+
+
+def _in_backward() -> bool:
+    """True inside autograd's backward (a checkpointed unit's recompute runs there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass
@@ -262,6 +270,14 @@ class UnitRunner:
     Every rank runs the same units in the same order, so every rank issues the gathers
     (and the gradient reductions, [Note: agreed launch points]) in the same order. At most
     two units are gathered at once besides the root.
+
+    [Note: units are indexed]
+    Every hook runs in O(1) of the number of units: a unit carries its index in ``units``,
+    the forward order is kept as arrays indexed by it (the next and previous unit, the
+    position in the order), and membership ("already in this forward's order", "backward
+    already entered") is a stamp of the forward or backward count on the unit, not a list
+    scan. Only once per forward (the order) and once per backward (launch what is left,
+    free) does the runner walk all units.
 
     [Note: agreed launch points]
     The units' gradient reductions are launched here, not by the cores' hooks, at points
@@ -289,8 +305,30 @@ class UnitRunner:
     _current: list[Unit] = field(default_factory=list)
     _callback_queued: bool = False
     _clock: int = 0  # forward hooks seen ([Note: agreed launch points])
-    _entered: list[Unit] = field(default_factory=list)  # units whose backward started, in order
+    _forwards: int = 0  # root forwards begun (Unit.seen stamps)
+    _backwards: int = 0  # backwards begun (Unit.entered stamps)
+    _pending: list[Unit] = field(default_factory=list)  # entered, not launched, not the root
     _handles: list = field(default_factory=list)  # module hook handles, removed by uninstall()
+    # [Note: units are indexed]: the last forward's order as arrays over unit indices.
+    _next_of: list = field(default_factory=list)
+    _prev_of: list = field(default_factory=list)
+    _pos_of: list = field(default_factory=list)  # position in `order`, -1: not in it
+    _window: bool = False  # between the root's forward pre-hook and its forward hook
+    _cursor: int = 0  # highest position of `order` whose gather this forward issued
+
+    def __post_init__(self) -> None:
+        for i, unit in enumerate(self.units):
+            unit.index = i
+        self._set_order(self.order)
+
+    def _set_order(self, order: list[Unit]) -> None:
+        n = len(self.units)
+        self.order = order
+        self._next_of, self._prev_of, self._pos_of = [None] * n, [None] * n, [-1] * n
+        for pos, unit in enumerate(order):
+            self._pos_of[unit.index] = pos
+            self._prev_of[unit.index] = order[pos - 1] if pos > 0 else None
+            self._next_of[unit.index] = order[pos + 1] if pos + 1 < len(order) else None
 
     def install(self) -> None:
         # [Note: no reference cycles]
@@ -318,33 +356,62 @@ class UnitRunner:
         self._handles.clear()
         for unit in self.units:
             unit.core = None
-        self.order, self._current = [], []
+        self._set_order([])
+        self._current, self._pending = [], []
 
     def _neighbour(self, unit: Unit, step: int) -> Optional[Unit]:
-        order = self.order
-        for i, u in enumerate(order):
-            if u is unit:
-                j = i + step
-                return order[j] if 0 <= j < len(order) else None
-        return None
+        """The unit after (``step=+1``) or before (-1) ``unit`` in the last forward's order."""
+        return (self._next_of if step > 0 else self._prev_of)[unit.index]
 
     def pre_forward(self, unit: Unit) -> None:
-        if unit.is_root:
+        in_backward = _in_backward()  # a checkpointed unit's recompute: not a forward
+        check = self.check_order
+        if unit.is_root and not in_backward:
+            self._forwards += 1
             self._current = []
-        if unit not in self._current:
+            self._window, self._cursor = True, 0
+            if check is not None:
+                check.begin_forward()
+        if unit.seen != self._forwards:
+            unit.seen = self._forwards
             self._current.append(unit)
         unit.forward_began = self._tick()
-        self._gather(unit, False)
+        windowed = self._window and not in_backward
+        if windowed and check is not None:
+            check.record(unit.index)
+            if not check.per_unit:
+                self._catch_up(unit)
+        self._gather(unit, False, check=not in_backward)
+        if windowed:
+            self._cursor = max(self._cursor, self._pos_of[unit.index])
         if self.prefetch:
-            nxt = self._neighbour(unit, +1)
+            nxt = self._next_of[unit.index]
             if nxt is not None and nxt is not unit:
-                self._gather(nxt, True)
+                self._gather(nxt, True, check=not in_backward)
+                if windowed:
+                    self._cursor = max(self._cursor, self._pos_of[nxt.index])
+
+    def _catch_up(self, unit: Unit) -> None:
+        """[Note: batched unit order check] (point 3): a rank that skips units of the last
+        forward's order issues their gathers now, in that order, where a rank running them
+        would have: its collectives stay paired with the other ranks' until the forward's
+        check names the difference."""
+        pos = self._pos_of[unit.index]
+        for q in range(self._cursor + 1, pos):
+            skipped = self.order[q]
+            if skipped.core is None:
+                continue
+            self._gather(skipped, False, check=False)
+            if skipped.reshard_after_forward and not skipped.is_root and id(skipped.core) not in self.pins:
+                skipped.core.reshard()  # as its forward hook would have
+            self._cursor = q
 
     def _gather(self, unit: Unit, async_op: bool, check: bool = True) -> None:
-        # Forward gathers only: backward gathers follow the reverse of the forward order,
-        # which the forward checks already found equal on every rank.
+        # Forward gathers only: backward gathers (and a checkpointed unit's recompute, which
+        # runs inside backward) follow the reverse of the forward order, which the forward
+        # checks already found equal on every rank.
         if check and self.check_order is not None and not unit.core.unsharded:
-            self.check_order(self.units.index(unit))
+            self.check_order.before_gather(unit.index)
         unit.core.unshard(async_op)
 
     def _tick(self) -> int:
@@ -353,8 +420,12 @@ class UnitRunner:
 
     def post_forward(self, unit: Unit, output, inputs=()):
         unit.forward_ended = self._tick()
+        if unit.is_root and self._window and not _in_backward():
+            self._window = False
+            if self.check_order is not None:
+                self.check_order.end_forward()  # [Note: batched unit order check]
         if unit.is_root:
-            self.order = self._current
+            self._set_order(self._current)
         # A unit that returns one of its inputs as it is (a layer skipped on some ranks):
         # its backward hook would sit on the same tensor as the hook of the unit that
         # produced it, and hooks of one tensor fire in registration order, so this rank
@@ -382,24 +453,32 @@ class UnitRunner:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._callback_queued = True
-            self._entered = []
+            self._backwards += 1
+            self._pending = []
         # [Note: agreed launch points]: units finished before this one's backward begins.
-        for done in self._entered:
-            if not done.launched and not done.is_root and done.forward_began > unit.forward_ended:
-                done.launched = True
-                if hasattr(done.core, "launch_all"):
-                    done.core.launch_all()
-        if unit not in self._entered:
-            self._entered.append(unit)
+        if self._pending:
+            waiting = []
+            for done in self._pending:
+                if done.forward_began > unit.forward_ended:
+                    done.launched = True
+                    if hasattr(done.core, "launch_all"):
+                        done.core.launch_all()
+                else:
+                    waiting.append(done)
+            self._pending = waiting
+        if unit.entered != self._backwards:
+            unit.entered = self._backwards
+            if not unit.is_root and not unit.launched:
+                self._pending.append(unit)
         self._gather(unit, False, check=False)
         if self.prefetch:
-            prev = self._neighbour(unit, -1)
+            prev = self._prev_of[unit.index]
             if prev is not None and not prev.is_root:
                 self._gather(prev, True, check=False)
 
     def _end_backward(self) -> None:
         self._callback_queued = False
-        self._entered = []
+        self._pending = []
         for unit in self.units:  # [Note: agreed launch points]: unit order, every rank
             unit.launched = False
             if unit.core is not None and hasattr(unit.core, "end_backward"):
@@ -532,31 +611,86 @@ class UnitOrderCheck:
     their position in the sequence of collectives, so a unit one rank calls and another
     skips (experts picked per rank by a router) pairs one rank's gather with another's
     different collective: a native abort when the sizes differ, silently wrong weights when
-    they do not (experts of one shape). Before each gather the ranks exchange the unit's
-    index (one small all-gather, launched and finished before any parameter data moves) and
-    all raise :class:`UnitOrderError`, naming the unit each rank wanted, at the first
-    difference. Leaf modules are the fix: the block is gathered whole on every rank. Only
-    forward gathers are checked: backward re-gathers the same units in reverse order, so a
-    divergence shows in forward first, and the check costs one small collective per unit
-    per step (benchmarks/bench_unit_check.py measures it).
+    they do not (experts of one shape). The check raises :class:`UnitOrderError` on every
+    rank, naming the unit each rank ran, instead. It has two exchanges:
+
+    - per gather (``__call__``): before a unit's gather the ranks exchange its index (one
+      small all-gather, finished before any parameter data moves) and raise at the first
+      difference, before the mismatched gather;
+    - per forward (``end_forward``): at the root's forward hook, after the forward's last
+      unit and before any backward, the ranks exchange a fingerprint (count and hash) of
+      the forward's sequence of units; a difference raises, naming the first unit that
+      differs (the sequences themselves are exchanged only then).
+
+    Which runs when is [Note: batched unit order check]. Leaf modules are the fix: the block
+    is gathered whole on every rank. Only forward gathers are checked: backward re-gathers
+    the same units in reverse order, so a divergence shows in forward first.
+    benchmarks/bench_unit_check.py measures the cost.
+
+    [Note: batched unit order check]
+    One exchange per unit per forward cost zero3 22% of its step at 256 units (a Gloo
+    all-gather is tens of microseconds), so an established order is checked once per
+    forward; the per-gather exchange is kept where a forward could otherwise go wrong
+    before its end. Why the end of the forward is in time, and when it is not:
+
+    1. Collectives pair by position. In a forward, a unit's pre-hook issues its own gather
+       (unless it is gathered) and the prefetch of the unit that followed it in the previous
+       forward (``UnitRunner.order``); the gathered states follow from the same history.
+       So when every earlier forward ran the same sequence on every rank (their checks
+       passed) and this forward agrees up to unit k, every rank has issued the same gathers
+       up to unit k.
+    2. What the forward's gathered weights feed is activations only: gradient reductions run
+       in backward, the update after it. The check runs before both, so a difference found
+       there has changed no gradient, weight or optimizer state: it raises instead of a
+       wrong step.
+    3. A rank that skips units of the previous order (an expert that got no token) would
+       leave the prefetch chain: its next gather would be a later unit, paired with another
+       rank's gather of a skipped one. The runner issues the skipped units' gathers in their
+       order first (``UnitRunner._catch_up``), as a rank running them does, so the ranks'
+       gathers stay paired and the forward reaches the check.
+    4. A rank calling a unit the previous order does not have ahead (a unit it never ran, or
+       one again) issues a gather no other rank issues, before the end of the forward: no
+       once-per-forward exchange can know that in advance. So the per-gather exchange runs
+       in every forward whose order is not established: the first forward, and every
+       forward after one whose sequence had not been seen before (the order is changing:
+       routing, another code path). The fingerprints decide that, and they are exchanged,
+       so every rank decides the same. A model whose units run in a fixed order pays the
+       per-gather exchange in its first two forwards and one exchange per forward after; a
+       model whose order keeps changing (a router calling units per rank: what the check
+       exists for) keeps the per-gather exchange and is stopped before its first mismatched
+       gather, as with the check per gather alone.
+
+    What the batched check gives up is the case left over from points 3 and 4: a model whose
+    order was the same on every rank for two forwards and then, on some ranks only, runs a
+    unit outside the previous order. Its mismatched gather aborts natively (Gloo, sizes
+    differ) or feeds wrong weights to that forward only (sizes equal), which the check at its
+    end names. ``check_unit_order: "every_gather"`` (engine option) keeps the per-gather
+    exchange in every forward for such a model.
 
     [Note: deferred unit order check]
-    Under Gloo the indices are CPU tensors and the comparison is immediate (no device to
-    wait for). Under NCCL they live on the device and reading them after each all-gather
-    would stall the host once per unit per forward, so the check is deferred (``deferred``
-    defaults to "the group is NCCL"): each call compares on the device and keeps, in a
-    device buffer, a sticky mismatch flag with the first mismatch's indices. Every ``lag``
-    calls (default: the number of units, about one forward) the buffer is copied,
-    non-blocking, into pinned host memory behind an event, and the copy taken ``lag`` calls
-    earlier is read (the event waited for; it was recorded a forward ago, so it has almost
-    always completed, and an event wait is not a stream sync). The call counts are the same
-    on every rank (each call is a collective), and so is the gathered data, so every rank
-    raises the same :class:`UnitOrderError` at the same call, between ``lag`` and ``2*lag``
-    calls after the first difference, the error saying so. What is lost is only promptness:
-    the parameter gathers of those calls have already run mismatched."""
+    Under Gloo the values are CPU tensors and the comparison is immediate (no device to
+    wait for). Under NCCL they live on the device and reading them would stall the host, so
+    the check is deferred (``deferred`` defaults to "the group is NCCL"): each exchange
+    compares on the device and keeps, in a device buffer, a sticky mismatch flag with what
+    is needed to name it; the buffer is copied, non-blocking, into pinned host memory behind
+    an event, and the copy taken one period earlier is read (the event waited for; it was
+    recorded a period ago, so it has almost always completed, and an event wait is not a
+    stream sync). The per-forward check's period is one forward: a difference raises at the
+    end of the next forward, on every rank (the exchange counts and the gathered data are the
+    same everywhere), the error saying so; with deferred reads the per-gather exchange would
+    tell no sooner, so a deferred check runs the per-forward one only. The per-gather
+    exchange, called directly (``__call__``), reads every ``lag`` calls (default: the number
+    of units) and raises between ``lag`` and ``2*lag`` calls after the first difference.
+    What is lost is only promptness: the parameter gathers in between have run mismatched.
+    """
+
+    MODES = ("auto", "every_gather")
+    _KNOWN = 64  # fingerprints of agreed sequences remembered ([Note: batched unit order check], 4)
+    _HASH_MOD = (1 << 61) - 1
+    _HASH_MUL = 1_000_003
 
     def __init__(self, group, names: list[str], device: torch.device = torch.device("cpu"), *,
-                 deferred: Optional[bool] = None, lag: Optional[int] = None) -> None:
+                 deferred: Optional[bool] = None, lag: Optional[int] = None, mode: str = "auto") -> None:
         self.group = group
         self.names = names
         self.world = dist.get_world_size(group)
@@ -570,6 +704,10 @@ class UnitOrderCheck:
         self.deferred = nccl if deferred is None else bool(deferred)
         if lag is not None and (not isinstance(lag, int) or lag < 1):
             raise ValueError(f"lag={lag!r} must be an int >= 1 (calls between two reads of the deferred check)")
+        if mode not in self.MODES:
+            raise ValueError(f"check_unit_order={mode!r} is not a mode; use True (batched where the order is "
+                             f"established), 'every_gather' (an exchange before every forward gather) or False")
+        self.mode = mode
         self.lag = lag if lag is not None else max(1, len(names))
         self._mine = torch.zeros(1, dtype=torch.int64, device=device)
         self._all = torch.zeros(self.world, dtype=torch.int64, device=device)
@@ -580,9 +718,27 @@ class UnitOrderCheck:
         self._host = None  # the snapshot of _first being copied to the host
         self._event = None  # completes when _host holds it (None on the CPU)
         self._snapshot_call = 0
+        # Per forward ([Note: batched unit order check]).
+        self.exchanges = 0  # collectives this check issued (both kinds)
+        self.forwards = 0  # forwards begun
+        self._in_forward = False
+        self._sequence: list[int] = []  # unit indices of this forward, in the order they ran
+        self._hash = 0
+        self._known: dict = {}  # agreed (count, hash) -> None, oldest first
+        self.per_unit = not self.deferred  # this forward exchanges before every gather
+        self._fp_mine = torch.zeros(2, dtype=torch.int64, device=device)
+        self._fp_all = torch.zeros(2 * self.world, dtype=torch.int64, device=device)
+        # Deferred: [flag, forward number of the first mismatch]; its snapshot and event.
+        self._fp_first = torch.zeros(2, dtype=torch.int64, device=device)
+        self._fp_row = torch.zeros(2, dtype=torch.int64, device=device)
+        self._fp_host = None
+        self._fp_event = None
+        self._sequences: dict[int, list[int]] = {}  # deferred: forward number -> its sequence
 
+    # ------------------------------------------------------------ per gather
     def __call__(self, index: int) -> None:
         self._calls += 1
+        self.exchanges += 1
         if self.deferred and self._calls % self.lag == 0:
             self._read_snapshot()
             self._take_snapshot()
@@ -598,17 +754,27 @@ class UnitOrderCheck:
         if any(i != index for i in seen):
             self._raise(index, seen, "")
 
+    def before_gather(self, index: int) -> None:
+        """A forward gather of unit ``index`` is about to be issued: the per-gather exchange
+        when this forward has it, or outside a root forward (a unit called on its own)."""
+        if self.per_unit or not self._in_forward:
+            self(index)
+
     def _take_snapshot(self) -> None:
         self._snapshot_call = self._calls
+        self._host, self._event = self._snapshot(self._first, self._host)
+
+    def _snapshot(self, buffer: torch.Tensor, host: Optional[torch.Tensor]):
+        """(host copy of ``buffer``, the event it completes behind, None on the CPU)."""
         if self.device.type != "cuda":
-            self._host = self._first.clone()
-            return
+            return buffer.clone(), None
         with torch.cuda.device(self.device):
-            if self._host is None:
-                self._host = torch.empty(self._first.shape, dtype=self._first.dtype, pin_memory=True)
-            self._host.copy_(self._first, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(self.device))
+            if host is None:
+                host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+            host.copy_(buffer, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return host, event
 
     def _read_snapshot(self) -> None:
         if self._host is None:
@@ -623,15 +789,102 @@ class UnitOrderCheck:
                         f"process's check, at most {2 * self.lag} calls after the difference)")
 
     def _raise(self, index: int, seen: list, note: str) -> None:
-        theirs = {r: (self.names[i] if 0 <= i < len(self.names) else f"#{i}") for r, i in enumerate(seen)}
+        theirs = {r: self._name(i) for r, i in enumerate(seen)}
         listing = ", ".join(f"rank {r}: {n!r}" for r, n in theirs.items())
-        mine = self.names[index] if 0 <= index < len(self.names) else f"#{index}"
+        mine = self._name(index)
         raise UnitOrderError(
             f"ranks gather different sharding units at the same point ({listing}); this rank "
-            f"({self.rank}) wanted {mine!r}{note}. A unit that only some ranks call (e.g. "
-            "mixture-of-experts experts chosen per rank) cannot be gathered per unit. Fix: make "
-            "the block that routes between them a leaf module (zero3/fsdp option "
-            "leaf_module_classes: [<block class>], or mixprec.set_leaf_modules(model, [<block "
-            "class>])), so every rank gathers it whole.",
-            mine=mine, theirs=theirs,
-        )
+            f"({self.rank}) wanted {mine!r}{note}. {_FIX}", mine=mine, theirs=theirs)
+
+    def _name(self, index: Optional[int]) -> str:
+        if index is None:
+            return "<end of the forward>"
+        return self.names[index] if 0 <= index < len(self.names) else f"#{index}"
+
+    # ------------------------------------------------------------ per forward
+    def begin_forward(self) -> None:
+        """The root's forward begins."""
+        if self._in_forward and not self.deferred:
+            self.per_unit = True  # the last forward ended without its check (it raised)
+        self._in_forward = True
+        self.forwards += 1
+        self._sequence = []
+        self._hash = 0
+        if self.mode == "every_gather" and not self.deferred:
+            self.per_unit = True
+
+    def record(self, index: int) -> None:
+        """Unit ``index``'s forward begins (in the root's forward)."""
+        self._sequence.append(index)
+        self._hash = (self._hash * self._HASH_MUL + index + 1) % self._HASH_MOD
+
+    def end_forward(self) -> None:
+        """The root's forward ended: one exchange of the forward's fingerprint."""
+        if not self._in_forward:
+            return
+        self._in_forward = False
+        fingerprint = (len(self._sequence), self._hash)
+        self.exchanges += 1
+        if self.deferred:
+            self._end_forward_deferred(fingerprint)
+            return
+        mine = torch.tensor(fingerprint, dtype=torch.int64, device=self.device)
+        rows = torch.empty(2 * self.world, dtype=torch.int64, device=self.device)
+        _all_gather(rows, mine, group=self.group)
+        values = rows.tolist()
+        if any(tuple(values[2 * r:2 * r + 2]) != fingerprint for r in range(self.world)):
+            self._raise_sequences(self._sequence, "")
+        new = fingerprint not in self._known
+        self._known.pop(fingerprint, None)
+        self._known[fingerprint] = None
+        if len(self._known) > self._KNOWN:
+            del self._known[next(iter(self._known))]
+        # [Note: batched unit order check], 4: an order not seen before is not established.
+        self.per_unit = new or self.mode == "every_gather"
+
+    def _end_forward_deferred(self, fingerprint: tuple) -> None:
+        if self._fp_host is not None:
+            if self._fp_event is not None:
+                self._fp_event.synchronize()
+            flag, forward = self._fp_host.numpy().tolist()
+            if flag:
+                self._raise_sequences(
+                    self._sequences.get(forward, []),
+                    f" (deferred check, [Note: deferred unit order check] in src/mixprec/engines/units.py: "
+                    f"forward {forward} differed, found at the end of forward {self.forwards})")
+        self._fp_mine[0].fill_(fingerprint[0])
+        self._fp_mine[1].fill_(fingerprint[1])
+        _all_gather(self._fp_all, self._fp_mine, group=self.group)
+        mismatch = (self._fp_all.view(self.world, 2) != self._fp_mine).any()
+        first = mismatch & (self._fp_first[0] == 0)
+        self._fp_row[0].fill_(1)
+        self._fp_row[1].fill_(self.forwards)
+        self._fp_first.copy_(torch.where(first, self._fp_row, self._fp_first))
+        self._sequences[self.forwards] = self._sequence
+        self._sequences.pop(self.forwards - 2, None)
+        self._fp_host, self._fp_event = self._snapshot(self._fp_first, self._fp_host)
+
+    def _raise_sequences(self, sequence: list[int], note: str) -> None:
+        """The fingerprints differ: exchange the sequences (rare path) and name the first
+        unit that differs."""
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, list(sequence), group=self.group)
+        longest = max(len(s) for s in everyone)
+        at = next((i for i in range(longest) if len({s[i] if i < len(s) else None for s in everyone}) > 1),
+                  None)
+        if at is None:  # the same sequence: the fingerprints cannot differ (kept for safety)
+            raise UnitOrderError(f"the sharding unit order check found different fingerprints for the same "
+                                 f"sequence of units on every rank{note}. {_FIX}")
+        theirs = {r: self._name(s[at] if at < len(s) else None) for r, s in enumerate(everyone)}
+        listing = ", ".join(f"rank {r}: {n!r}" for r, n in theirs.items())
+        mine = theirs[self.rank]
+        raise UnitOrderError(
+            f"ranks ran different sharding units in one forward (unit {at + 1} of the forward: {listing}); this "
+            f"rank ({self.rank}) ran {mine!r}, found at the end of the forward, before its backward ([Note: "
+            f"batched unit order check] in src/mixprec/engines/units.py){note}. {_FIX}", mine=mine, theirs=theirs)
+
+
+_FIX = ("A unit that only some ranks call (e.g. mixture-of-experts experts chosen per rank) cannot be gathered "
+        "per unit. Fix: make the block that routes between them a leaf module (zero3/fsdp option "
+        "leaf_module_classes: [<block class>], or mixprec.set_leaf_modules(model, [<block class>])), so every "
+        "rank gathers it whole.")

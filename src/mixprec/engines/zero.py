@@ -479,9 +479,12 @@ class Zero3Comm(ShardedComm):
         self.leaves = LeafSpec(  # ZeRO-3 leaf modules: gathered whole (units.py)
             classes=tuple(c if isinstance(c, str) else c.__name__ for c in leaf_module_classes),
             names=tuple(leaf_module_names), name_suffixes=tuple(leaf_module_name_suffixes))
-        if not isinstance(check_unit_order, bool):
-            raise ValueError(f"check_unit_order={check_unit_order!r} must be True or False")
-        self.check_unit_order = check_unit_order  # [Note: unit order check] in units.py
+        if not isinstance(check_unit_order, bool) and check_unit_order != "every_gather":
+            raise ValueError(f"check_unit_order={check_unit_order!r} must be True (the default: batched where the "
+                             "unit order is established), 'every_gather' (an exchange before every forward "
+                             "gather) or False")
+        # [Note: unit order check] and [Note: batched unit order check] in units.py
+        self.check_unit_order = check_unit_order
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True or False")
         self.reshard_after_forward = reshard_after_forward
@@ -511,7 +514,8 @@ class Zero3Comm(ShardedComm):
             root.core = _NoCore()
         unit_of_param = {id(p): unit.name for unit, core in zip(units, cores) if core is not None
                          for p in core.params}
-        check = (UnitOrderCheck(self.group, [u.name or "<root>" for u in units], self.device)
+        mode = "every_gather" if self.check_unit_order == "every_gather" else "auto"
+        check = (UnitOrderCheck(self.group, [u.name or "<root>" for u in units], self.device, mode=mode)
                  if self.check_unit_order else None)
         runner = UnitRunner(units, prefetch=self.prefetch, check_order=check, unit_of_param=unit_of_param,
                             pins=self.gather_pins)

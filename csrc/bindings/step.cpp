@@ -1,6 +1,7 @@
 // Bindings for csrc/engines/step (the post-backward step in one call).
 #include "bindings/bindings.h"
 #include "engines/step/fused_step.h"
+#include "engines/step/optimizer_plan.h"
 
 namespace py = pybind11;
 
@@ -49,26 +50,98 @@ std::vector<engines::SgdGroup> sgd_groups(const std::vector<py::tuple>& groups) 
   return out;
 }
 
+// Per-group hyper-parameters of a planned step ([Note: the step plan]).
+std::vector<k::AdamOptions> adam_options(const std::vector<py::tuple>& options) {
+  // (lr, beta1, beta2, eps, weight_decay, decoupled, maximize)
+  std::vector<k::AdamOptions> out;
+  out.reserve(options.size());
+  for (const auto& t : options) {
+    check_arity("adam options", t, 7);
+    out.push_back(k::AdamOptions{t[0].cast<double>(), t[1].cast<double>(), t[2].cast<double>(),
+                                 t[3].cast<double>(), t[4].cast<double>(), 0.0, t[5].cast<bool>(),
+                                 t[6].cast<bool>()});
+  }
+  return out;
+}
+
+std::vector<k::SgdOptions> sgd_options(const std::vector<py::tuple>& options) {
+  // (lr, momentum, dampening, nesterov, weight_decay, maximize)
+  std::vector<k::SgdOptions> out;
+  out.reserve(options.size());
+  for (const auto& t : options) {
+    check_arity("sgd options", t, 6);
+    out.push_back(k::SgdOptions{t[0].cast<double>(), t[1].cast<double>(), t[2].cast<double>(),
+                                t[4].cast<double>(), t[3].cast<bool>(), t[5].cast<bool>(), false});
+  }
+  return out;
+}
+
 }  // namespace
 
 void init_step(py::module_& m) {
+  py::class_<engines::OptimizerPlan, std::shared_ptr<engines::OptimizerPlan>>(
+      m, "OptimizerPlan",
+      "What a fused step reads, gathered once per optimizer ([Note: the step plan] in "
+      "csrc/engines/step/optimizer_plan.h); built by src/mixprec/kernels.py.")
+      .def(py::init([](bool adam, const std::vector<py::tuple>& buckets) {
+             // (group, params, state1, state2, steps, lowps); None entries: no state yet
+             std::vector<engines::PlanBucket> out;
+             out.reserve(buckets.size());
+             for (const auto& t : buckets) {
+               check_arity("plan bucket", t, 6);
+               auto tensors = [](const py::handle& h) {
+                 k::TensorVec v;
+                 for (const auto& x : h.cast<py::list>()) {
+                   v.push_back(x.is_none() ? at::Tensor() : x.cast<at::Tensor>());
+                 }
+                 return v;
+               };
+               out.push_back(engines::PlanBucket{t[0].cast<int64_t>(), tensors(t[1]), tensors(t[2]), tensors(t[3]),
+                                                 tensors(t[4]), tensors(t[5])});
+             }
+             return std::make_shared<engines::OptimizerPlan>(adam, std::move(out));
+           }),
+           py::arg("adam"), py::arg("buckets"))
+      .def_property_readonly("adam", &engines::OptimizerPlan::adam)
+      .def_property_readonly("num_params", &engines::OptimizerPlan::num_params)
+      .def("creates_state", &engines::OptimizerPlan::creates_state, py::arg("sgd_momentum"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Some param holds a gradient but no optimizer state (SGD: momentum buffer) yet.")
+      .def("grads", &engines::OptimizerPlan::grads, py::call_guard<py::gil_scoped_release>(),
+           "The defined gradients of the planned params, in plan order.")
+      .def("forget_grads", &engines::OptimizerPlan::forget_grads, py::call_guard<py::gil_scoped_release>(),
+           "zero_grad(set_to_none=True) over the planned params.");
 
   m.def(
       "fused_step",
       [](const std::vector<py::tuple>& adam, const std::vector<py::tuple>& sgd,
+         const std::shared_ptr<engines::OptimizerPlan>& plan, const std::vector<py::tuple>& options,
          const k::OptTensor& found_inf,
          bool check, std::vector<engines::Reducer*> reducers, const std::string& agree_group,
          const k::OptTensor& grad_scale, std::vector<engines::sharded::ShardedCore*> gather,
          precision::GradScaler* scaler, bool update_scaler, const k::OptTensor& keep_found_inf,
          const k::OptTensor& keep_scale) {
-        engines::StepPlan plan{adam_groups(adam), sgd_groups(sgd), found_inf, check,
+        engines::StepPlan step{adam_groups(adam), sgd_groups(sgd), found_inf, check,
                                std::move(reducers), agree_group, grad_scale, std::move(gather),
                                scaler, update_scaler, keep_found_inf, keep_scale};
+        std::vector<k::AdamOptions> adam_opts;
+        std::vector<k::SgdOptions> sgd_opts;
+        if (plan) {
+          if (plan->adam()) adam_opts = adam_options(options);
+          else sgd_opts = sgd_options(options);
+        }
         py::gil_scoped_release nogil;
-        engines::fused_step(plan);
+        if (plan) {
+          const auto status = plan->collect(adam_opts, sgd_opts, step);
+          if (status != engines::PlanStatus::kReady) return static_cast<int>(status);
+        }
+        engines::fused_step(step);
+        return static_cast<int>(engines::PlanStatus::kReady);
       },
       py::arg("adam") = std::vector<py::tuple>{}, py::arg("sgd") = std::vector<py::tuple>{},
-      py::kw_only(), py::arg("found_inf") = py::none(), py::arg("check") = false,
+      py::kw_only(), py::arg("plan") = std::shared_ptr<engines::OptimizerPlan>(),
+      py::arg("options") = std::vector<py::tuple>{},
+      py::arg("found_inf") = py::none(), py::arg("check") = false,
       py::arg("reducers") = std::vector<engines::Reducer*>{}, py::arg("agree_group") = "",
       py::arg("grad_scale") = py::none(),
       py::arg("gather") = std::vector<engines::sharded::ShardedCore*>{},
@@ -77,7 +150,27 @@ void init_step(py::module_& m) {
       "The post-backward optimizer step in one call ([Note: one call per step] in "
       "csrc/engines/step/fused_step.h): check (and unscale) the gradients, agree found_inf "
       "across ranks, run the fused updates (skipped on the device when found_inf is set), "
-      "gather the updated shards, update the loss scaler.");
+      "gather the updated shards, update the loss scaler. With `plan` (an OptimizerPlan) and "
+      "its per-group `options`, the plan's params that hold a gradient are the update's groups "
+      "(added to `adam`/`sgd`). Returns 0 (done), or without doing anything 1 (the plan "
+      "declined a param or gradient) or 2 (a param with a gradient has no state yet).");
+  m.def(
+      "plans_l2_norm",
+      [](const std::vector<std::shared_ptr<engines::OptimizerPlan>>& plans, const k::OptTensor& found_inf) {
+        py::gil_scoped_release nogil;
+        k::TensorVec grads;
+        for (const auto& plan : plans) {
+          TORCH_CHECK_VALUE(plan != nullptr, "plans_l2_norm: a plan is None");
+          auto g = plan->grads();
+          grads.insert(grads.end(), g.begin(), g.end());
+        }
+        if (grads.empty()) return std::optional<at::Tensor>();  // the caller's own path decides
+        return std::optional<at::Tensor>(k::l2_norm(grads, found_inf));
+      },
+      py::arg("plans"), py::arg("found_inf") = py::none(),
+      "l2_norm over the gradients of every plan's params (the clip shares the step's plan, "
+      "[Note: the step plan]); found_inf: also set it when a gradient is inf/nan. None when "
+      "no planned param holds a gradient.");
   m.def("merge_nonfinite_checks", &engines::merge_nonfinite_checks, py::arg("reducers"),
         py::arg("found_inf"),
         "OR every reducer's fresh agreed inf/nan flag into found_inf; False (nothing taken "

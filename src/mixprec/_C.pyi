@@ -150,10 +150,29 @@ class Reducer:
         of ranks that saw one), once; None when there is none to take."""
 
 # ---- the step in one call (csrc/engines/step) ------------------------------
+class OptimizerPlan:
+    """What a fused step reads, gathered once per optimizer ([Note: the step plan] in
+    csrc/engines/step/optimizer_plan.h). ``buckets``: tuples ``(group, params, state1,
+    state2, steps, lowps)``, None where a param has no state yet."""
+
+    def __init__(self, adam: bool, buckets: list[tuple]) -> None: ...
+    @property
+    def adam(self) -> bool: ...
+    @property
+    def num_params(self) -> int: ...
+    def creates_state(self, sgd_momentum: list[float]) -> bool: ...
+    def grads(self) -> list[Tensor]: ...
+    def forget_grads(self) -> None: ...
+
+def plans_l2_norm(plans: list[OptimizerPlan], found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
+    """l2_norm over the gradients of every plan's params; None when none holds one."""
+
 def fused_step(
     adam: list[tuple] = [],
     sgd: list[tuple] = [],
     *,
+    plan: Optional[OptimizerPlan] = None,
+    options: list[tuple] = [],
     found_inf: Optional[Tensor] = None,
     check: bool = False,
     reducers: list[Reducer] = [],
@@ -164,7 +183,7 @@ def fused_step(
     update_scaler: bool = False,
     keep_found_inf: Optional[Tensor] = None,
     keep_scale: Optional[Tensor] = None,
-) -> None:
+) -> int:
     """The post-backward step in one call ([Note: one call per step]): check (and unscale
     by ``scaler``) the gradients unless every Reducer in ``reducers`` has a fresh flag,
     all-reduce MAX ``found_inf`` over ``agree_group``, run the fused updates (gradients
@@ -172,7 +191,12 @@ def fused_step(
     shards of ``gather``, update ``scaler`` when ``update_scaler``. Adam groups are tuples
     ``(params, grads, exp_avgs, exp_avg_sqs, lowp_params, steps, lr, beta1, beta2, eps,
     weight_decay, decoupled, maximize)``; SGD groups ``(params, grads, momentum_buffers,
-    lowp_params, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step)``."""
+    lowp_params, lr, momentum, dampening, nesterov, weight_decay, maximize, first_step)``.
+    With ``plan``, its params holding a gradient join the groups, with ``options`` per param
+    group (Adam ``(lr, beta1, beta2, eps, weight_decay, decoupled, maximize)``, SGD ``(lr,
+    momentum, dampening, nesterov, weight_decay, maximize)``). Returns 0 when done; 1 (the plan
+    declined a param or gradient) or 2 (a param with a gradient has no state yet) when
+    nothing was done."""
 
 def merge_nonfinite_checks(reducers: list[Reducer], found_inf: Tensor) -> bool:
     """OR every reducer's fresh agreed inf/nan flag into found_inf ([Note: non-finite check

@@ -10,6 +10,7 @@ plain torch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import weakref
 from typing import Optional
 
 import torch
@@ -27,18 +28,29 @@ __all__ = [
     "flat_copy_in_",
     "flat_copy_out_",
     "supports_fused",
+    "step_plan",
+    "forget_plan",
     "fused_optimizer_step",
 ]
 
 
 def unscale_and_check_(tensors: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    """``torch._amp_foreach_non_finite_check_and_unscale_`` in one pass (bitwise equal)."""
-    _C.unscale_and_check_(list(tensors), found_inf, inv_scale)
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` in one pass (bitwise equal).
+    A non-contiguous tensor (a gradient of a param whose ``.data`` was given another layout)
+    goes to torch's op, which takes any layout."""
+    tensors = list(tensors)
+    if all(t.is_contiguous() for t in tensors):
+        _C.unscale_and_check_(tensors, found_inf, inv_scale)
+        return
+    _C.unscale_and_check_([t for t in tensors if t.is_contiguous()], found_inf, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_([t for t in tensors if not t.is_contiguous()],
+                                                      found_inf, inv_scale)
 
 
 def l2_norm(tensors: Sequence[Tensor], found_inf: Optional[Tensor] = None) -> Tensor:
-    """Global L2 norm (fp32 0-dim); sets ``found_inf`` to 1.0 when it is not finite."""
-    return _C.l2_norm(list(tensors), found_inf)
+    """Global L2 norm (fp32 0-dim); sets ``found_inf`` to 1.0 when it is not finite. A
+    non-contiguous tensor is read through a contiguous copy."""
+    return _C.l2_norm([t if t.is_contiguous() else t.contiguous() for t in tensors], found_inf)
 
 
 def fused_adam_(
@@ -114,13 +126,19 @@ def flat_copy_out_(dsts: Sequence[Tensor], flat: Tensor) -> None:
 # ---- optimizer integration ----------------------------------------------------
 
 _ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+FUSED_TYPES = (*_ADAM_TYPES, torch.optim.SGD)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _group_supported(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+def _group_flags_ok(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     if group.get("capturable", False) or group.get("differentiable", False):
         return False
-    if type(optimizer) in _ADAM_TYPES and group.get("amsgrad", False):
+    return not (type(optimizer) in _ADAM_TYPES and group.get("amsgrad", False))
+
+
+def _group_supported(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Every param and gradient of ``group`` fits the kernels (a scan: plan builds only)."""
+    if not _group_flags_ok(optimizer, group):
         return False
     f32 = torch.float32
     for p in group["params"]:
@@ -132,16 +150,84 @@ def _group_supported(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     return True
 
 
+# [Note: the step plan] (csrc/engines/step/optimizer_plan.h) is what a step hands to C++:
+# built once per optimizer, it holds every param, its state tensors and low-precision
+# target. Python keeps it while the objects it was built from are the same: the
+# optimizer's param_groups list and each group's params list (same object, same length),
+# its state dict (same object, same number of entries: a param's first state adds one),
+# and the low-precision target mapping (same object, same length). Checking that is
+# O(param groups) per step. Whatever replaces state tensors inside the same dicts calls
+# ``forget_plan``: torch's ``load_state_dict`` makes a new state dict (seen), mixprec's
+# checkpoint loads call it (engines/base.py, ``load_state_shards``). A user assigning
+# ``optimizer.state[p]["exp_avg"] = t`` by hand should call ``forget_plan(optimizer)``
+# (docs/design.md). Per step C++ reads the gradients itself and checks that each param and
+# gradient still fits the kernels; one that does not sends the step to the optimizer's own
+# code, the kernels having done nothing.
+
+_NOTHING = object()
+
+
+class _Planned:
+    """One optimizer's eligibility and plan, with the objects they were built from (held,
+    so that an identity check cannot be fooled by a reused id)."""
+
+    __slots__ = ("groups", "params", "lens", "state", "n_state", "eligible", "lowp_of", "n_lowp", "plan")
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.groups = optimizer.param_groups
+        self.params = [g["params"] for g in self.groups]
+        self.lens = [len(ps) for ps in self.params]
+        self.state = optimizer.state
+        self.n_state = len(self.state)
+        self.eligible = all(_group_supported(optimizer, g) for g in self.groups)
+        self.lowp_of: object = _NOTHING
+        self.n_lowp = 0
+        self.plan: Optional[_C.OptimizerPlan] = None
+
+    def current(self, optimizer: torch.optim.Optimizer) -> bool:
+        groups = optimizer.param_groups
+        if groups is not self.groups or optimizer.state is not self.state or len(self.state) != self.n_state \
+                or len(groups) != len(self.params):
+            return False
+        for g, ps, n in zip(groups, self.params, self.lens):
+            if g["params"] is not ps or len(ps) != n:
+                return False
+        return True
+
+
+_PLANS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Planned]" = weakref.WeakKeyDictionary()
+
+
+def _planned(optimizer: torch.optim.Optimizer) -> Optional[_Planned]:
+    """The optimizer's current :class:`_Planned` (None: not a type the kernels step, or a
+    group flag they do not take). O(param groups) when nothing changed."""
+    if type(optimizer) not in FUSED_TYPES:
+        return None
+    for g in optimizer.param_groups:
+        if not _group_flags_ok(optimizer, g):
+            return None
+    planned = _PLANS.get(optimizer)
+    if planned is None or not planned.current(optimizer):
+        planned = _PLANS[optimizer] = _Planned(optimizer)
+    return planned
+
+
+def forget_plan(optimizer: torch.optim.Optimizer) -> None:
+    """Drop ``optimizer``'s step plan: its state tensors were replaced in place (the next
+    step builds a new plan)."""
+    _PLANS.pop(optimizer, None)
+
+
 def supports_fused(optimizer: torch.optim.Optimizer) -> bool:
     """True when :func:`fused_optimizer_step` can step this optimizer.
 
     Exactly ``torch.optim.Adam``, ``AdamW`` or ``SGD`` (subclasses may change the
     update), fp32 dense contiguous params, and no amsgrad / capturable /
-    differentiable. The ``foreach`` and ``fused`` flags do not matter.
+    differentiable. The ``foreach`` and ``fused`` flags do not matter. Cached with the
+    step plan: O(param groups) per call ([Note: the step plan]).
     """
-    if type(optimizer) not in (*_ADAM_TYPES, torch.optim.SGD):
-        return False
-    return all(_group_supported(optimizer, g) for g in optimizer.param_groups)
+    planned = _planned(optimizer)
+    return planned is not None and planned.eligible
 
 
 def _scalar(x) -> float:
@@ -198,12 +284,35 @@ def _lowps(lowp_of: Optional[Mapping[int, Tensor]], ps: list) -> list:
     return [get(id(p)) for p in ps]
 
 
-def _adam_groups(optimizer, lowp_of) -> Optional[list]:
+def _device_step(st: dict, p: Tensor) -> None:
     # [Note: device step counters]
     # Each param's "step" is an fp32 0-dim tensor on the param's device, as in torch's
     # fused Adam. The kernel increments it and derives the bias corrections from it, and
     # leaves it alone when found_inf is set: a skipped step needs no host read. (torch's
     # default CPU-resident counters would force the host to know the outcome first.)
+    step = st["step"]
+    if not (isinstance(step, Tensor) and step.dtype == torch.float32
+            and step.device == p.device and step.numel() == 1):
+        # A counter loaded from torch's layout (CPU) or a number: moved once.
+        st["step"] = torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(())
+
+
+def _adam_options(optimizer, group) -> tuple:
+    # The tuple _C.fused_step reads per group of a plan (csrc/bindings/step.cpp, adam_options).
+    decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
+    beta1, beta2 = group["betas"]
+    return (_scalar(group["lr"]), _scalar(beta1), _scalar(beta2), float(group["eps"]),
+            float(group["weight_decay"]), decoupled, bool(group["maximize"]))
+
+
+def _sgd_options(group) -> tuple:
+    # csrc/bindings/step.cpp, sgd_options
+    return (_scalar(group["lr"]), float(group["momentum"]), float(group["dampening"]),
+            bool(group["nesterov"]), float(group["weight_decay"]), bool(group["maximize"]))
+
+
+def _adam_groups(optimizer, lowp_of) -> Optional[list]:
+    """The kernel groups of a step without a plan (one that creates optimizer state)."""
     groups = _with_grad(optimizer, ("exp_avg", "exp_avg_sq"))
     if groups is None:
         return None
@@ -212,9 +321,6 @@ def _adam_groups(optimizer, lowp_of) -> Optional[list]:
     for group, ps in groups:
         if not ps:
             continue
-        decoupled = bool(group.get("decoupled_weight_decay",
-                                   type(optimizer) is torch.optim.AdamW))
-        beta1, beta2 = (_scalar(b) for b in group["betas"])
         sts = [state[p] for p in ps]
         for p, st in zip(ps, sts):
             if len(st) == 0:
@@ -222,20 +328,15 @@ def _adam_groups(optimizer, lowp_of) -> Optional[list]:
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             else:
-                step = st["step"]
-                if not (isinstance(step, Tensor) and step.dtype == torch.float32
-                        and step.device == p.device and step.numel() == 1):
-                    # A counter loaded from torch's layout (CPU) or a number: moved once.
-                    st["step"] = torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(())
+                _device_step(st, p)
         lps = _lowps(lowp_of, ps)
         keys = [(p.device, lp is not None) for p, lp in zip(ps, lps)]
         lists = (ps, [p.grad.contiguous() for p in ps], [st["exp_avg"] for st in sts],
                  [st["exp_avg_sq"] for st in sts], lps, [st["step"] for st in sts])
+        hyper = _adam_options(optimizer, group)
         for (_, has_lp), (bps, gs, ms, vs, blps, steps) in _buckets(keys, lists).items():
             # The tuple layout _C.fused_step reads (csrc/bindings/step.cpp, adam_groups).
-            out.append((bps, gs, ms, vs, blps if has_lp else [], [t.view(1) for t in steps],
-                        _scalar(group["lr"]), beta1, beta2, float(group["eps"]),
-                        float(group["weight_decay"]), decoupled, bool(group["maximize"])))
+            out.append((bps, gs, ms, vs, blps if has_lp else [], [t.view(1) for t in steps], *hyper))
     return out
 
 
@@ -271,8 +372,89 @@ def _sgd_groups(optimizer, lowp_of) -> Optional[list]:
     return out
 
 
+def _build_plan(optimizer, lowp_of: Optional[Mapping[int, Tensor]]) -> Optional[_C.OptimizerPlan]:
+    """The plan of [Note: the step plan]: every param (with or without a gradient) in
+    param-group order, its state tensors (None where it has none yet), its low-precision
+    target, bucketed by (group, device, has-target). None when a state tensor or a target
+    does not fit the kernels (the generic step then runs)."""
+    adam = type(optimizer) is not torch.optim.SGD
+    keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
+    state = optimizer.state
+    buckets = []
+    for gi, group in enumerate(optimizer.param_groups):
+        ps = group["params"]
+        if not ps:
+            continue
+        s1, s2, steps = [], [], []
+        for p in ps:
+            st = state.get(p)
+            if not st or st.get(keys[0]) is None:
+                s1.append(None), s2.append(None), steps.append(None)
+                continue
+            if not _state_ok(st, keys, p):
+                return None
+            if adam:
+                if st.get("exp_avg_sq") is None or "step" not in st:
+                    return None
+                _device_step(st, p)
+                s1.append(st["exp_avg"]), s2.append(st["exp_avg_sq"]), steps.append(st["step"].view(1))
+            else:
+                s1.append(st["momentum_buffer"])
+        lps = _lowps(lowp_of, ps)
+        for lp in lps:
+            if lp is not None and (lp.dtype not in (torch.bfloat16, torch.float16) or not lp.is_contiguous()):
+                return None
+        lists = (ps, s1, s2, steps, lps)
+        for (_, has_lp), (bps, b1, b2, bsteps, blps) in _buckets(
+                [(p.device, lp is not None) for p, lp in zip(ps, lps)], lists).items():
+            buckets.append((gi, bps, b1, b2 if adam else [], bsteps if adam else [], blps if has_lp else []))
+    return _C.OptimizerPlan(adam, buckets)
+
+
+def step_plan(optimizer: torch.optim.Optimizer,
+              lowp_of: Optional[Mapping[int, Tensor]] = None) -> Optional[_C.OptimizerPlan]:
+    """``optimizer``'s step plan for these low-precision targets ([Note: the step plan]),
+    built on first use and kept while nothing it was built from changed; None when the
+    fused kernels cannot step this optimizer."""
+    planned = _planned(optimizer)
+    if planned is None or not planned.eligible:
+        return None
+    if not lowp_of:
+        lowp_of = None  # an empty mapping (made anew per call by some engines) is none
+    if planned.lowp_of is not lowp_of or (lowp_of is not None and len(lowp_of) != planned.n_lowp):
+        planned.plan = _build_plan(optimizer, lowp_of)
+        planned.lowp_of = lowp_of
+        planned.n_lowp = 0 if lowp_of is None else len(lowp_of)
+    return planned.plan
+
+
+def forget_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer.zero_grad(set_to_none=True)`` in one call over its plan's params (O(param
+    groups) in Python); False, nothing done, when it has no current plan."""
+    planned = _planned(optimizer)
+    if planned is None or planned.plan is None:
+        return False
+    planned.plan.forget_grads()
+    return True
+
+
+def plans_l2_norm(plans: Sequence[_C.OptimizerPlan], found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
+    """:func:`l2_norm` over the gradients the step ``plans`` hold (one C++ call; None when
+    none holds a gradient)."""
+    return _C.plans_l2_norm(list(plans), found_inf)
+
+
+def _options(optimizer) -> list:
+    if type(optimizer) is torch.optim.SGD:
+        return [_sgd_options(g) for g in optimizer.param_groups]
+    return [_adam_options(optimizer, g) for g in optimizer.param_groups]
+
+
 def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     """Some param with a gradient has no optimizer state (or SGD momentum buffer) yet."""
+    plan = step_plan(optimizer)
+    if plan is not None:
+        return plan.creates_state([float(g.get("momentum", 0.0)) for g in optimizer.param_groups])
     state = optimizer.state
     sgd = type(optimizer) is torch.optim.SGD
     if not sgd and len(state) >= sum(len(g["params"]) for g in optimizer.param_groups):
@@ -292,6 +474,9 @@ def _on(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
     # A view when already fp32 on that device: the kernel must read (and for found_inf,
     # see) the engine's own flag, not a copy.
     return None if t is None else t.to(device=like.device, dtype=torch.float32).reshape(1)
+
+
+_DONE, _DECLINED, _NEEDS_STATE = 0, 1, 2  # what _C.fused_step returns with a plan
 
 
 @torch.no_grad()
@@ -314,15 +499,23 @@ def fused_optimizer_step(
     of the step that runs in the same call (``check``, ``check_inv_scale``,
     ``agree_group``, ``gather``, ``scaler``, ``keep_found_inf``, ``keep_scale``; see
     [Note: one call per step] in csrc/engines/step/fused_step.h): one crossing into
-    C++ per step.
+    C++ per step. Python's work is O(param groups) once the optimizer has state
+    ([Note: the step plan]).
     """
-    if not supports_fused(optimizer):
+    plan = step_plan(optimizer, lowp_of)
+    if plan is None:
         return False
-    if lowp_of is not None:
-        for lp in lowp_of.values():
-            if lp.dtype not in (torch.bfloat16, torch.float16) or not lp.is_contiguous():
-                return False
-    if found_inf is not None and creates_state(optimizer):
+    found = _on(found_inf, found_inf)
+    scale = _on(inv_scale, inv_scale)
+    status = _C.fused_step(plan=plan, options=_options(optimizer), found_inf=found, grad_scale=scale, **finish)
+    if status == _DONE:
+        return True
+    if status == _DECLINED:
+        forget_plan(optimizer)  # rebuilt (and checked again) at the next step
+        return False
+    # _NEEDS_STATE: the step that creates some param's state, as torch does it.
+    forget_plan(optimizer)
+    if found_inf is not None:
         if finish:
             raise ValueError("fused_optimizer_step: a step that creates optimizer state reads "
                              "found_inf on the host; check, agree and finish it around this call")
@@ -332,10 +525,12 @@ def fused_optimizer_step(
             # torch's. One host read on such steps only; every later step reads nothing.
             return True
     sgd = type(optimizer) is torch.optim.SGD
+    for group in optimizer.param_groups:
+        if not _group_supported(optimizer, group):
+            return False
     groups = _sgd_groups(optimizer, lowp_of) if sgd else _adam_groups(optimizer, lowp_of)
     if groups is None:
         return False
-    _C.fused_step(adam=[] if sgd else groups, sgd=groups if sgd else [],
-                  found_inf=_on(found_inf, found_inf), grad_scale=_on(inv_scale, inv_scale),
+    _C.fused_step(adam=[] if sgd else groups, sgd=groups if sgd else [], found_inf=found, grad_scale=scale,
                   **finish)
     return True

@@ -24,6 +24,7 @@ from ..policy import PrecisionPolicy
 from ..step import DeviceScalars, StepResult, check_clip_limit
 from ..wrappers.model import AutocastGate
 from .precision import Precision
+from .clip_sources import ClipSources, plans_of
 from .comm import Comm
 from .single import SingleComm
 
@@ -110,6 +111,9 @@ class Engine:
         self.precision = Precision(self.policy, device)  # [Note: precision layer] in precision.py
         self.comm.attach(self.precision)
         self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
+        # Prepared models' parameter tuples for clip_grad_norm_ ([Note: the clip shares the
+        # step plan] in engines/clip_sources.py).
+        self.clip_sources = ClipSources()
         # Step results whose skips are not logged yet (see Engine._log_skips).
         self._unlogged: collections.deque = collections.deque()
 
@@ -153,6 +157,7 @@ class Engine:
         self.comm.release()
         if self.precision.casts is not None:
             self.precision.casts.release()
+        self.clip_sources.drop()
 
     # ------------------------------------------------------------------ models
     def prepare_model(self, model: nn.Module, gate: AutocastGate) -> nn.Module:
@@ -173,6 +178,7 @@ class Engine:
                                         cache_casts=self.cache_weight_casts and self.fused_optimizer
                                         and comm.replicated_state)
         comm.model_ready(model, ctx)
+        self.clip_sources.add_model(model)
         return model
 
     def zero_model_grads(self, model: nn.Module) -> None:
@@ -284,8 +290,11 @@ class Engine:
         return that norm. The sharded backends compute it over every parameter they shard
         from the owned shards, with one all-reduce that also agrees found_inf."""
         max_norm = check_clip_limit("max_norm", max_norm)
-        if self.placement is not None:
-            parameters = list(parameters)
+        parameters = self.clip_sources.parameters(parameters)
+        if self.placement is None:
+            total = self._clip_from_plans(parameters, max_norm, norm_type)
+            if total is not None:
+                return total
         grads = self.comm.clip_grads(parameters, whole=True)
         if self.placement is not None:
             self.placement.note_clip(self.comm, parameters)
@@ -305,6 +314,33 @@ class Engine:
         if deferred:
             return self._defer_clip(total, max_norm, unscaled)
         return self._clip_now(grads, total, max_norm)
+
+    def _clip_from_plans(self, parameters, max_norm: float, norm_type: float) -> Optional[torch.Tensor]:
+        """The deferred clip of [Note: clip inside the update] with the norm taken over the
+        step plans' gradients ([Note: the clip shares the step plan] in
+        engines/clip_sources.py): when ``parameters`` are a prepared model's cached tuple
+        covering exactly what the optimizers step, on a comm that clips the gradients its
+        optimizers read. None: nothing done, the general path decides."""
+        states = list(self.optimizers.values())
+        if not (self.clip_in_step and states and float(norm_type) == 2.0
+                and type(self.comm).clip_grads is Comm.clip_grads):
+            return None
+        if any(st.grad_scale is not None for st in states) or len({st.unscaled for st in states}) != 1:
+            return None
+        if not all(self._fused_eligible(st.optimizer) for st in states):
+            return None
+        optimizers = [st.optimizer for st in states]
+        plans = plans_of(optimizers, self.comm.update_targets())
+        master_of = self.precision.master_of
+        if plans is None or not self.clip_sources.covers(
+                parameters, lambda p: master_of.get(id(p), p), optimizers, plans):
+            return None
+        self.comm.fold()
+        unscaled = states[0].unscaled
+        raw = kernels.plans_l2_norm(plans, None if unscaled else self.found_inf)
+        if raw is None:
+            return None  # no gradient at all: the general path
+        return self._defer_clip(raw, max_norm, unscaled)
 
     def _clip_now(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Clip ``grads`` in place by the global norm ``total`` (torch's rule) and record it
@@ -595,7 +631,11 @@ class Engine:
         self.comm.publish(optimizer, True)
 
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
-        state.optimizer.zero_grad(set_to_none=set_to_none)
+        # torch's zero_grad(set_to_none=True) is `p.grad = None` per param: the step plan
+        # does it in one call ([Note: the step plan] in kernels.py).
+        if not (set_to_none and type(state.optimizer) in kernels.FUSED_TYPES
+                and kernels.forget_grads(state.optimizer)):
+            state.optimizer.zero_grad(set_to_none=set_to_none)
         state.forget_grads()
         self.precision.drop_lowp_grads(state.optimizer)
         self.comm.zero_grad(state.optimizer, set_to_none)
@@ -662,7 +702,13 @@ class Engine:
         """
         if self.placement is not None:
             read = self.placement.reader(read, models)
-        self.comm.load_state_shards(models, optimizers, read)
+        for optimizer in optimizers:  # their state tensors are replaced: plans rebuilt
+            kernels.forget_plan(optimizer)
+        try:
+            self.comm.load_state_shards(models, optimizers, read)
+        finally:
+            for optimizer in optimizers:
+                kernels.forget_plan(optimizer)
 
 
 def _dominant_dtype(model: nn.Module) -> Optional[torch.dtype]:

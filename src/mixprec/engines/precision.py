@@ -54,6 +54,7 @@ class Precision:
         self.masters: list[_C.MasterWeights] = []  # one per prepared model with low-precision params
         self.master_of: dict[int, torch.Tensor] = {}  # id(model param) -> its fp32 master
         self.lowp_of: dict[int, torch.Tensor] = {}  # id(master) -> the model param it refreshes
+        self._merged_targets: Optional[tuple] = None  # update_targets' cache
         self.scaled_backward = False  # a backward went through the scaler since the last step
         # What a bf16/fp32 step does with non-finite gradients: "skip" or "raise" (config
         # field nonfinite_grads; fp16 overflows are the loss scaler's business).
@@ -225,7 +226,13 @@ class Precision:
             return self.lowp_of
         if not self.lowp_of:
             return casts.targets
-        return {**self.lowp_of, **casts.targets}
+        # The same merged mapping while neither side changed: the fused step keeps its plan
+        # while the mapping is the same object ([Note: the step plan] in kernels.py).
+        key = (len(self.lowp_of), casts.targets, len(casts.targets))
+        merged = self._merged_targets
+        if merged is None or merged[0] != key[0] or merged[1] is not key[1] or merged[2] != key[2]:
+            merged = self._merged_targets = (*key, {**self.lowp_of, **casts.targets})
+        return merged[3]
 
     def fold_grads(self) -> None:
         """Move pending low-precision grads into the fp32 master grads."""

@@ -152,7 +152,9 @@ class WeightCasts:
                 p = e.param
                 if e.copy.shape != p.shape or e.copy.device != p.device:
                     e.copy = p.detach().to(self.dtype)
-                    self.targets[id(p)] = e.copy
+                    # A new mapping, not an entry changed in place: the fused step's plan
+                    # holds the old one's tensors ([Note: the step plan] in kernels.py).
+                    self.targets = {**self.targets, id(p): e.copy}
                 else:
                     with torch.no_grad():
                         e.copy.copy_(p)

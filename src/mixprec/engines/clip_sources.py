@@ -1,0 +1,103 @@
+"""What a clip of ``model.parameters()`` reads, without walking the module tree each step.
+
+[Note: the clip shares the step plan]
+``accelerator.clip_grad_norm_(model.parameters(), max_norm)`` hands over a generator that,
+once iterated, walks every submodule (11 ms a step for 1,281 modules here). When that
+generator is ``nn.Module.parameters`` of a prepared model, not started, recursing, the
+clip takes the model's parameter tuple instead, cached while no module anywhere registered
+a parameter or a submodule since (torch's global registration hooks bump ``_VERSION``).
+With that tuple the engine knows, once, whether the clip covers exactly the params its
+optimizers step; if so, the norm is taken over the gradients the step plans already hold
+([Note: the step plan] in kernels.py, one C++ call: ``_C.plans_l2_norm``), and the clip's
+factor goes into the fused update ([Note: clip inside the update] in engines/base.py).
+Python's work per clip is then O(optimizers + param groups).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module
+
+_VERSION = [0]  # bumped when any module registers a parameter or a submodule
+
+
+def _bump(*_args) -> None:
+    _VERSION[0] += 1
+
+
+_module.register_module_parameter_registration_hook(_bump)
+_module.register_module_module_registration_hook(_bump)
+
+_PARAMETERS_CODE = nn.Module.parameters.__code__
+
+
+class ClipSources:
+    """The cached parameter tuples of an engine's prepared models, and which of them cover
+    exactly the params of its optimizers."""
+
+    def __init__(self) -> None:
+        self._models: dict[int, weakref.ref] = {}
+        self._tuples: dict[int, tuple[int, tuple]] = {}  # id(model) -> (version, params)
+        self._covers: dict[tuple, bool] = {}
+
+    def add_model(self, model: nn.Module) -> None:
+        self._models[id(model)] = weakref.ref(model)
+        self._tuples.pop(id(model), None)
+
+    def parameters(self, parameters: Iterable[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """``parameters`` as a sequence: a prepared model's cached tuple when ``parameters``
+        is its unstarted ``model.parameters()`` generator, else a list of what it yields."""
+        if (inspect.isgenerator(parameters) and parameters.gi_code is _PARAMETERS_CODE
+                and inspect.getgeneratorstate(parameters) == inspect.GEN_CREATED):
+            local = parameters.gi_frame.f_locals
+            model = local.get("self")
+            ref = self._models.get(id(model))
+            if ref is not None and ref() is model and local.get("recurse", True):
+                cached = self._tuples.get(id(model))
+                if cached is not None and cached[0] == _VERSION[0]:
+                    return cached[1]
+                params = tuple(parameters)
+                self._tuples[id(model)] = (_VERSION[0], params)
+                return params
+        return parameters if isinstance(parameters, (list, tuple)) else list(parameters)
+
+    def covers(self, params: Sequence[torch.Tensor], sources_of, optimizers: Sequence[torch.optim.Optimizer],
+               plans: Sequence[object]) -> bool:
+        """``params`` (a cached tuple: same object while valid) map (``sources_of``: model
+        param -> what the optimizer steps) exactly onto the params of ``optimizers``, whose
+        current ``plans`` stand for their param lists. Computed once per combination."""
+        if not isinstance(params, tuple):
+            return False
+        key = (id(params), _VERSION[0], *map(id, plans))
+        entry = self._covers.get(key)
+        # The entry holds the objects its key names: alive, their ids cannot be reused.
+        if entry is None or entry[1] is not params or any(a is not b for a, b in zip(entry[2], plans)):
+            clip = {id(sources_of(p)) for p in params if p.requires_grad}
+            stepped = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+            if len(self._covers) > 64:
+                self._covers.clear()
+            entry = self._covers[key] = (clip == stepped, params, tuple(plans))
+        return entry[0]
+
+    def drop(self) -> None:
+        self._models.clear()
+        self._tuples.clear()
+        self._covers.clear()
+
+
+def plans_of(optimizers: Sequence[torch.optim.Optimizer], lowp_of) -> Optional[list]:
+    """The current step plan of every optimizer, or None when one has none."""
+    from .. import kernels
+
+    plans = []
+    for opt in optimizers:
+        plan = kernels.step_plan(opt, lowp_of)
+        if plan is None:
+            return None
+        plans.append(plan)
+    return plans

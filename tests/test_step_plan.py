@@ -1,0 +1,260 @@
+"""The step plan ([Note: the step plan] in src/mixprec/kernels.py and
+csrc/engines/step/optimizer_plan.h) and the clip that shares it ([Note: the clip shares the
+step plan] in src/mixprec/engines/clip_sources.py).
+
+- Python's work per step does not grow with the number of tensors: the count of Python
+  function calls of a steady-state step (clip + step + zero_grad) is the same for 24 and for
+  384 tensors.
+- The plan follows what changes under it: a param group added, an optimizer state loaded,
+  a param that gets its first gradient late, a gradient the kernels cannot take, a
+  parameter registered after prepare. Each is compared with plain torch on the same loop
+  (same arithmetic as the fused kernel's parity tests: exact where mixprec's update equals
+  torch's, else within a few fp32 ulps).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import Accelerator, kernels
+
+
+def _blocks(n_blocks: int, d: int = 8, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d))
+                           for _ in range(n_blocks)])
+
+
+def _python_calls(fn) -> int:
+    calls = 0
+
+    def prof(frame, event, arg):
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _prepared(n_blocks: int, **kw):
+    acc = Accelerator(cpu=True, log_policy=False, **kw)
+    model = _blocks(n_blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return acc, *acc.prepare(model, opt)
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_python_calls_per_step_do_not_grow_with_the_tensor_count(mixed_precision):
+    counts = {}
+    for n_blocks in (4, 64):  # 24 and 384 tensors
+        acc, model, opt = _prepared(n_blocks, mixed_precision=mixed_precision)
+        x = torch.randn(3, 8)
+
+        def forward_backward():
+            with acc.autocast():
+                loss = model(x).float().pow(2).mean()
+            acc.backward(loss)
+
+        def optimizer_side():
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(3):  # state creation, plan building
+            forward_backward()
+            optimizer_side()
+        forward_backward()
+        counts[n_blocks] = _python_calls(optimizer_side)
+        acc.end_training()
+    assert counts[4] == counts[64], counts
+
+
+def _torch_loop(model, opt, xs, clip=1.0, between=None):
+    for i, x in enumerate(xs):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        if between is not None:
+            between(i, model, opt)
+
+
+def _compare(ref: nn.Module, got: nn.Module, rtol=1e-5, atol=1e-6):
+    # mixprec's fused AdamW rounds an element's update an ulp or two away from torch's
+    # (tests/kernels); a plan that stepped stale state or skipped a param is off by 1e-3+.
+    for (name, a), b in zip(ref.named_parameters(), got.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=rtol, atol=atol, msg=name)
+
+
+def test_an_added_param_group_and_a_late_first_gradient_are_stepped_as_torch_does():
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+    def between(i, model, opt):
+        if i == 2:  # unfreeze the last block and give it its own group
+            for p in model[-1].parameters():
+                p.requires_grad_(True)
+            opt.add_param_group({"params": list(model[-1].parameters()), "lr": 5e-3})
+
+    def build():
+        model = _blocks(3)
+        for p in model[-1].parameters():
+            p.requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    ref_model, ref_opt = build()
+    _torch_loop(ref_model, ref_opt, xs, between=between)
+    acc = Accelerator(cpu=True, log_policy=False)
+    model, opt = acc.prepare(*build())
+
+    def between_prepared(i, m, o):
+        between(i, m, o)
+
+    for i, x in enumerate(xs):
+        acc.backward(model(x).pow(2).mean())
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        between_prepared(i, model, opt)
+    _compare(ref_model, model)
+    assert kernels.step_plan(opt.optimizer) is not None
+    assert kernels.step_plan(opt.optimizer).num_params == sum(1 for _ in model.parameters())
+
+
+def test_a_loaded_optimizer_state_is_what_the_next_step_updates():
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    ref_model = _blocks(2)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    _torch_loop(ref_model, ref_opt, xs[:3])
+    saved_model = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    saved_opt = copy.deepcopy(ref_opt.state_dict())  # state_dict() holds the live tensors
+    _torch_loop(ref_model, ref_opt, xs[3:])
+
+    acc = Accelerator(cpu=True, log_policy=False)
+    model = _blocks(2, seed=1)  # other weights and other state: all of it must be replaced
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    for x in xs[:2]:  # the plan exists and holds this state
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    assert kernels.step_plan(opt.optimizer) is not None
+    model.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    for x in xs[3:]:
+        acc.backward(model(x).pow(2).mean())
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    _compare(ref_model, model)
+
+
+def test_a_state_tensor_replaced_in_place_is_seen_after_forget_plan():
+    acc, model, opt = _prepared(2)
+    x = torch.randn(3, 8)
+    for _ in range(2):
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    p = next(model.parameters())
+    fresh = torch.zeros_like(p)
+    opt.optimizer.state[p]["exp_avg"] = fresh
+    kernels.forget_plan(opt.optimizer)
+    acc.backward(model(x).pow(2).mean())
+    opt.step()
+    assert fresh.abs().sum() > 0  # the new tensor is the one updated
+
+
+def test_a_param_the_kernels_cannot_take_any_more_falls_back_to_torchs_step():
+    """``p.data`` swapped for a transposed (non-contiguous) layout after the plan was built:
+    the plan declines (a kernel reading it as contiguous would update the transpose), the
+    optimizer's own step runs, and the result is torch's."""
+    acc, model, opt = _prepared(1)
+    x = torch.randn(3, 8)
+    for _ in range(2):
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    assert kernels.step_plan(opt.optimizer) is not None
+    ref = _blocks(1)
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(opt.optimizer.state_dict()))
+    for m in (model, ref):
+        w = m[0][1].weight
+        w.data = w.data.t().contiguous().t()
+        assert not w.is_contiguous()
+    for _ in range(2):
+        acc.backward(model(x).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _compare(ref, model)
+
+
+def test_sgd_momentum_turned_on_later_creates_its_buffers():
+    xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+
+    def between(i, model, opt):
+        if i == 2:
+            opt.param_groups[0]["momentum"] = 0.9
+
+    ref_model = _blocks(2)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-2, momentum=0.0)
+    _torch_loop(ref_model, ref_opt, xs, between=between)
+    acc = Accelerator(cpu=True, log_policy=False)
+    model = _blocks(2)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.0))
+    for i, x in enumerate(xs):
+        acc.backward(model(x).pow(2).mean())
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        between(i, model, opt)
+    _compare(ref_model, model)
+
+
+def test_the_clip_does_not_walk_the_module_tree_and_sees_a_parameter_added_later(monkeypatch):
+    acc, model, opt = _prepared(3)
+    x = torch.randn(3, 8)
+    acc.backward(model(x).pow(2).mean())
+    acc.clip_grad_norm_(model.parameters(), 1.0)  # the first clip walks once
+    opt.step()
+    opt.zero_grad()
+    walks = []
+    original = nn.Module.named_modules
+
+    def counting(self, *a, **k):
+        walks.append(self)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(nn.Module, "named_modules", counting)
+    acc.backward(model(x).pow(2).mean())
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in list(model.parameters())]))
+    walks.clear()
+    norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+    assert walks == []
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    opt.step()
+    opt.zero_grad()
+    # A parameter registered after prepare: the cached tuple is dropped, the clip sees it.
+    model[0][0].extra = nn.Parameter(torch.full((2,), 100.0))
+    acc.backward(model(x).pow(2).mean() + model[0][0].extra.sum())
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in list(model.parameters())
+                                                     if p.grad is not None]))
+    walks.clear()
+    norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+    assert walks, "the clip must walk again after a parameter was registered"
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)

@@ -70,6 +70,11 @@ void init_kernels(py::module_& m) {
         "Pack srcs back to back into the 1-D buffer flat, casting to its dtype.");
   m.def("flat_copy_out_", &k::flat_copy_out_, py::arg("dsts"), py::arg("flat"), nogil,
         "Split the 1-D buffer flat into dsts, casting to their dtypes.");
+  m.attr("_cpu_parallel_min_bytes") = k::cpu_parallel_min_bytes();
+  m.def("_cpu_parallel_regions", &k::cpu_parallel_regions,
+        "How many parallel regions the CPU kernels have opened in this process; a call "
+        "moving fewer than _cpu_parallel_min_bytes bytes runs inline and opens none "
+        "(diagnostics, tests).");
 }
 
 }  // namespace mixprec::bindings

@@ -64,4 +64,10 @@ void scale_copy_and_check_(const TensorVec& dsts, const TensorVec& srcs,
 void flat_copy_in_(const at::Tensor& flat, const TensorVec& srcs);
 void flat_copy_out_(const TensorVec& dsts, const at::Tensor& flat);
 
+// The CPU launcher's work threshold: a call opens a parallel region only when the bytes
+// it moves reach this ([Note: inline below the parallel threshold] in cpu/launcher.h).
+int64_t cpu_parallel_min_bytes();
+// How many parallel regions the CPU kernels have opened in this process (diagnostics).
+int64_t cpu_parallel_regions();
+
 }  // namespace mixprec::kernels

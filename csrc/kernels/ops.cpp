@@ -2,6 +2,7 @@
 // CPU or CUDA implementation for the tensors' device.
 #include "kernels/checks.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/launcher.h"
 #include "kernels/multi_tensor.h"
 
 #include <ATen/core/grad_mode.h>
@@ -422,6 +423,10 @@ void flat_copy(const char* op, const at::Tensor& flat, const TensorVec& tensors,
 }
 
 }  // namespace
+
+int64_t cpu_parallel_min_bytes() { return cpu::kParallelMinBytes; }
+
+int64_t cpu_parallel_regions() { return cpu::parallel_regions(); }
 
 void flat_copy_in_(const at::Tensor& flat, const TensorVec& srcs) {
   flat_copy("flat_copy_in_", flat, srcs, true);

@@ -47,9 +47,11 @@ void adam(const TensorVec& params, const TensorVec& grads, const TensorVec& exp_
   s.has_wd = o.weight_decay != 0.0;
   s.w1_small = std::abs(s.w1) < 0.5f;
 
-  const auto plan = make_plan<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &lowp_params});
+  // params, exp_avgs, exp_avg_sqs: read and written; grads: read; lowp_params: written.
+  const auto plan = make_plan<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &lowp_params},
+                                 {2, 1, 2, 2, 1});
   const AdamItemsFn items = item_fns().adam;
-  parallel_items(plan.items, plan.total, [&](int64_t b, int64_t e) { items(plan, b, e, s); });
+  parallel_items(plan, [&](int64_t b, int64_t e) { items(plan, b, e, s); });
 }
 
 }  // namespace mixprec::kernels::cpu

@@ -45,11 +45,15 @@ struct Slot {
 
 // The tensors of N parallel lists (e.g. params, grads, exp_avgs, ...), and the
 // chunks they are cut into. Lists after the first must match its numels.
+// passes[k]: how often the op moves an element of list k through memory (1: read
+// or written, 2: read and written back); the launcher weighs a call's work by it
+// ([Note: inline below the parallel threshold] in launcher.h).
 template <int N>
 struct Plan {
   std::vector<std::array<Slot, N>> slots;
   std::vector<WorkItem> items;
   int64_t total = 0;
+  std::array<int, N> passes{};
 };
 
 // AdamScalars / SgdScalars: kernels/functors.h (shared with the CUDA kernels).

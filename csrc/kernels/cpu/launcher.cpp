@@ -1,10 +1,26 @@
 #include "kernels/cpu/launcher.h"
 
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <string>
 
 namespace mixprec::kernels::cpu {
+
+namespace {
+std::atomic<int64_t> regions{0};
+}  // namespace
+
+int64_t parallel_tasks(int64_t n_items, int64_t total, int64_t bytes, int64_t threads) {
+  if (threads <= 1 || n_items <= 1 || bytes < kParallelMinBytes) return 1;
+  // Items per task for kGrainElems elements (items hold up to kChunkElems each).
+  const int64_t grain = std::max<int64_t>(1, (n_items * kGrainElems) / std::max<int64_t>(total, 1));
+  return std::min(threads, (n_items + grain - 1) / grain);
+}
+
+void count_parallel_region() { regions.fetch_add(1, std::memory_order_relaxed); }
+
+int64_t parallel_regions() { return regions.load(std::memory_order_relaxed); }
 
 std::vector<WorkItem> make_items(const std::vector<int64_t>& numels, int64_t* total) {
   std::vector<WorkItem> items;

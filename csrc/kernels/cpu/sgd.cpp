@@ -30,9 +30,12 @@ void sgd(const TensorVec& params, const TensorVec& grads, const TensorVec& momen
   s.has_momentum = o.momentum != 0.0;
   s.nesterov = o.nesterov;
   s.first_step = o.first_step;
-  const auto plan = make_plan<4>({&params, &grads, &momentum_buffers, &lowp_params});
+  // params: read and written; grads: read; momentum buffers: written (first step) or
+  // read and written; lowp_params: written.
+  const auto plan = make_plan<4>({&params, &grads, &momentum_buffers, &lowp_params},
+                                 {2, 1, o.first_step ? 1 : 2, 1});
   const SgdItemsFn items = item_fns().sgd;
-  parallel_items(plan.items, plan.total, [&](int64_t b, int64_t e) { items(plan, b, e, s); });
+  parallel_items(plan, [&](int64_t b, int64_t e) { items(plan, b, e, s); });
 }
 
 }  // namespace mixprec::kernels::cpu

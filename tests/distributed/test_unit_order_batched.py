@@ -1,7 +1,7 @@
 """The unit order check once per forward ([Note: batched unit order check] in
 src/mixprec/engines/units.py), on 2 processes over Gloo: a fixed order costs one exchange per
 forward after two; an order that changes on every rank together keeps training (the same
-weights as ddp), re-checked per gather while it is new; a rank that skips units once the
+weights as ddp), re-checked per gather until it is the same two forwards in a row; a rank that skips units once the
 order is established is named on every rank at the end of that forward, before its backward;
 the deferred (NCCL) form names a difference one forward later."""
 
@@ -107,15 +107,15 @@ def test_every_gather_mode_keeps_the_exchange_before_each_gather():
 
 
 def test_an_order_every_rank_changes_together_trains_like_ddp():
-    # Step 3 skips block 2 on both ranks: a new order, agreed; the next forward is checked
-    # per gather again (the order is not established), then once per forward.
+    # Step 3 skips block 2 on both ranks: a changed order, agreed; the next two forwards are
+    # checked per gather again (the order changed, then changed back), then once per forward.
     schedule = [(), (), (), (2,), (), (), ()]
     got = run_distributed(_train, 2, args=("zero3", [schedule] * 2), timeout=180)
     ref = run_distributed(_train, 2, args=("ddp", [schedule] * 2), timeout=180)[0]
     for rank in got:
         assert rank["error"] is None, rank["error"]
         ex = rank["exchanges"]
-        assert ex[2] == 1 and ex[3] == 1 and ex[4] > 1 and ex[5] == 1 and ex[6] == 1, ex
+        assert ex[2] == 1 and ex[3] == 1 and ex[4] > 1 and ex[5] > 1 and ex[6] == 1, ex
         for key, value in ref["weights"].items():  # fp32, 2 ranks: the same sums as ddp's
             assert torch_equal(rank["weights"][key], value), key
 

@@ -183,7 +183,7 @@ class Zero3Options(ZeroOptions):
     some ranks call stops the run with an error naming the unit on each rank, instead of
     pairing different collectives. true: one small all-gather per forward once the order
     is established, one before each unit gather while it is not (the first two forwards, and
-    after an order not seen before); ``every_gather``: one before each unit gather always;
+    after the order changed); ``every_gather``: one before each unit gather always;
     false: off."""
 
 

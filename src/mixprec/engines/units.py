@@ -651,21 +651,24 @@ class UnitOrderCheck:
     4. A rank calling a unit the previous order does not have ahead (a unit it never ran, or
        one again) issues a gather no other rank issues, before the end of the forward: no
        once-per-forward exchange can know that in advance. So the per-gather exchange runs
-       in every forward whose order is not established: the first forward, and every
-       forward after one whose sequence had not been seen before (the order is changing:
-       routing, another code path). The fingerprints decide that, and they are exchanged,
-       so every rank decides the same. A model whose units run in a fixed order pays the
-       per-gather exchange in its first two forwards and one exchange per forward after; a
-       model whose order keeps changing (a router calling units per rank: what the check
-       exists for) keeps the per-gather exchange and is stopped before its first mismatched
-       gather, as with the check per gather alone.
+       in every forward whose order is not established: the first forward, a forward after
+       one that ended without its check (it raised), and every forward after one whose
+       sequence differed from the forward before it (the order is changing: routing,
+       another code path). The fingerprints decide that, and they are exchanged, so every
+       rank decides the same. A model whose units run in a fixed order pays the per-gather
+       exchange in its first two forwards and one exchange per forward after; a model whose
+       order keeps changing (a router calling units per rank: what the check exists for)
+       keeps the per-gather exchange and is stopped before its first mismatched gather, as
+       with the check per gather alone.
 
     What the batched check gives up is the case left over from points 3 and 4: a model whose
-    order was the same on every rank for two forwards and then, on some ranks only, runs a
-    unit outside the previous order. Its mismatched gather aborts natively (Gloo, sizes
-    differ) or feeds wrong weights to that forward only (sizes equal), which the check at its
-    end names. ``check_unit_order: "every_gather"`` (engine option) keeps the per-gather
-    exchange in every forward for such a model.
+    order was the same on every rank for two forwards in a row and then, on some ranks only,
+    runs a unit outside that order. Its gather pairs with another rank's different
+    collective: a native abort when the sizes differ (Gloo aborts the process); when they
+    are equal, wrong weights for that forward, and the ranks' collectives stay shifted by
+    one, so the forward's check meets a parameter gather (an abort) rather than naming the
+    unit. Nothing is updated either way. ``check_unit_order: "every_gather"`` (engine
+    option) keeps the per-gather exchange in every forward for such a model.
 
     [Note: deferred unit order check]
     Under Gloo the values are CPU tensors and the comparison is immediate (no device to
@@ -685,7 +688,6 @@ class UnitOrderCheck:
     """
 
     MODES = ("auto", "every_gather")
-    _KNOWN = 64  # fingerprints of agreed sequences remembered ([Note: batched unit order check], 4)
     _HASH_MOD = (1 << 61) - 1
     _HASH_MUL = 1_000_003
 
@@ -724,7 +726,7 @@ class UnitOrderCheck:
         self._in_forward = False
         self._sequence: list[int] = []  # unit indices of this forward, in the order they ran
         self._hash = 0
-        self._known: dict = {}  # agreed (count, hash) -> None, oldest first
+        self._last: Optional[tuple] = None  # the last checked forward's (count, hash), agreed
         self.per_unit = not self.deferred  # this forward exchanges before every gather
         self._fp_mine = torch.zeros(2, dtype=torch.int64, device=device)
         self._fp_all = torch.zeros(2 * self.world, dtype=torch.int64, device=device)
@@ -834,13 +836,9 @@ class UnitOrderCheck:
         values = rows.tolist()
         if any(tuple(values[2 * r:2 * r + 2]) != fingerprint for r in range(self.world)):
             self._raise_sequences(self._sequence, "")
-        new = fingerprint not in self._known
-        self._known.pop(fingerprint, None)
-        self._known[fingerprint] = None
-        if len(self._known) > self._KNOWN:
-            del self._known[next(iter(self._known))]
-        # [Note: batched unit order check], 4: an order not seen before is not established.
-        self.per_unit = new or self.mode == "every_gather"
+        # [Note: batched unit order check], 4: an order that just changed is not established.
+        self.per_unit = fingerprint != self._last or self.mode == "every_gather"
+        self._last = fingerprint
 
     def _end_forward_deferred(self, fingerprint: tuple) -> None:
         if self._fp_host is not None:

@@ -515,10 +515,11 @@ def fused_optimizer_step(
         return False
     # _NEEDS_STATE: the step that creates some param's state, as torch does it.
     forget_plan(optimizer)
+    if finish:
+        # It reads found_inf on the host: the caller checks, agrees and finishes around a
+        # call without ``finish`` (engines/base.py falls back to that path on False).
+        return False
     if found_inf is not None:
-        if finish:
-            raise ValueError("fused_optimizer_step: a step that creates optimizer state reads "
-                             "found_inf on the host; check, agree and finish it around this call")
         if float(found_inf.item()) != 0.0:
             # The first step of a param creates its state (and SGD's first step differs): it
             # must know it is not skipped, so that a skipped first step leaves no state, as

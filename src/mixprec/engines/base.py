@@ -472,8 +472,9 @@ class Engine:
             return result
         skip_reason = "overflow" if self.scaler is not None else "nonfinite"
         fused = self._fused_eligible(optimizer)  # checked once per step
-        if fused and not (self.scaler is None and self.nonfinite_grads == "raise") \
-                and not kernels.creates_state(optimizer):
+        # A step that creates optimizer state is declined by the one call (nothing done) and
+        # takes the path below, which reads found_inf once ([Note: the step plan]).
+        if fused and not (self.scaler is None and self.nonfinite_grads == "raise"):
             result = self._step_in_one_call(state, skip_reason)
             if result is not None:
                 self._unlogged.append((state, state.steps, result))

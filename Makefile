@@ -53,8 +53,12 @@ bench: install
 	$(BIN)/python benchmarks/run_all.py
 
 # Needs a CUDA device (exits 2 without one); not part of `make test` or CI. Uses the machine's
-# own torch (GPU_PYTHON, default python3) offline; writes GPU_CHECK_REPORT (default
-# gpu-check-report.md). Its CPU twin runs in `make test` (tests/test_gpu_check.py).
+# own torch (GPU_PYTHON, default python3) offline; builds for the GPU's own arch, runs only the
+# `cuda`-marked tests and benchmarks/gpu_check.py (per-tensor verdict against float64 with its
+# negative controls, kernels, memory and step time against plain AMP), each phase timed (goal:
+# under 6 minutes on one H100/H200); writes GPU_CHECK_REPORT (default gpu-check-report.md).
+# Its CPU twin runs in `make test` (tests/test_gpu_check.py); `bash .ci/gpu_check.sh --dry-run`
+# shows the commands.
 gpu-check:
 	bash .ci/gpu_check.sh
 

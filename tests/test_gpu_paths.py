@@ -1,14 +1,19 @@
-"""CPU tests of the CUDA-side logic behind gpu-check (issue 23, G2/G3/G10): which copies
+"""CPU tests of the CUDA-side logic behind gpu-check (issue 23, G2/G3/G6/G8/G10): which copies
 count as host reads (src/mixprec/diagnostics/syncs.py), which stream a lazy step result's
-event goes on (src/mixprec/step.py), and which CUDA device a rank gets
-(src/mixprec/distributed/state.py). CUDA itself is faked with monkeypatching; the real
-thing runs in tests/kernels/test_kernels_cuda.py and benchmarks/gpu_check.py on a GPU."""
+event goes on (src/mixprec/step.py), which CUDA device a rank gets
+(src/mixprec/distributed/state.py), on which device re-made parameter storage is allocated
+(csrc/engines/sharded/core.h, set_storage_bytes: a fake two-device guard), and, on a GPU
+only, that the per-step multi-tensor ops call torch's foreach ops (G6). CUDA itself is faked
+with monkeypatching; the real thing runs in tests/kernels/test_kernels_cuda.py, the `cuda`
+tests here and benchmarks/gpu_check.py on a GPU (`make gpu-check` runs `pytest -m cuda`)."""
 
 import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from mixprec import _C
 from mixprec.diagnostics import syncs
 from mixprec.diagnostics.syncs import ScalarReads, classify_copy, copy_is_host_read
 
@@ -238,3 +243,70 @@ def test_rank_within_the_devices_keeps_its_own_device(fake_two_ranks_one_gpu, mo
     state = st.init_distributed(torch.device("cuda"))
     assert state.device == torch.device("cuda", 1) and state.backend == "nccl"
     assert calls["init"][0]["device_id"] == torch.device("cuda", 1)
+
+
+# ---- G8: re-made parameter storage is allocated on the parameter's device ---------------
+
+@pytest.mark.parametrize("index", [1, 7])
+def test_re_made_parameter_storage_is_allocated_on_the_parameters_device(index):
+    """unshard/reshard re-make the flat parameter buffers' storage with set_storage_bytes. A
+    device allocator (CUDA's caching allocator) allocates on the *current* device, so the
+    function must make the tensor's device current first and restore it after. Run on a fake
+    device type (PrivateUse1 with c10's FakeGuardImpl; current index 0) with an allocator
+    that records the current index: without the guard it allocated with index 0 current."""
+    probe = _C._probe_storage_allocation_device(index)
+    assert probe == {"tensor_index": index, "current_before": 0, "allocated_on": index, "current_after": 0}
+
+
+def test_storage_probe_refuses_an_index_that_shows_nothing():
+    with pytest.raises(ValueError, match=r"index must be in \[1, 8\), got 0 \(the fake device's current index is 0"):
+        _C._probe_storage_allocation_device(0)
+    assert _C._probe_storage_allocation_device(2)["allocated_on"] == 2  # the fake guard was unregistered
+
+
+# ---- G6: on CUDA the per-step multi-tensor ops are torch's foreach ops ------------------
+
+class _AtenCalls(TorchDispatchMode):
+    """The aten ops dispatched in the block, from Python or from mixprec's C++."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def count(self, prefix):
+        return sum(op.startswith(prefix) for op in self.ops)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_unscale_norm_and_copies_call_torchs_foreach_ops():
+    """G6: unscale_and_check_, l2_norm, copy_cast_ and the flat copies run every step; their
+    own CUDA kernels reached 15-20% of HBM bandwidth, so on CUDA they call torch's multi-tensor
+    ops, one call per dtype (group) in the list (ops.cpp, [Note: torch's foreach ops on CUDA]).
+    The old kernels dispatched no aten op at all. Results: tests/kernels/test_kernels_cuda.py."""
+    from mixprec import kernels as K
+
+    f32 = [torch.randn(n, device="cuda") for n in (7, 4099, 65537)]
+    low = [torch.randn(n, device="cuda").bfloat16() for n in (5, 300)]
+    with _AtenCalls() as calls:
+        K.unscale_and_check_(f32 + low, torch.zeros(1, device="cuda"), torch.full((1,), 0.5, device="cuda"))
+    assert calls.count("aten._amp_foreach_non_finite_check_and_unscale_") == 2, calls.ops  # fp32, bf16
+    with _AtenCalls() as calls:
+        norm = K.l2_norm(f32 + low)
+    assert calls.count("aten._foreach_norm") == 2, calls.ops
+    ref = torch.linalg.vector_norm(torch.cat([t.float() for t in f32 + low]))
+    torch.testing.assert_close(norm, ref, rtol=1e-5, atol=0)
+    dsts = [torch.empty_like(t, dtype=torch.bfloat16) for t in f32]
+    with _AtenCalls() as calls:
+        K.copy_cast_(dsts, f32)
+    assert calls.count("aten._foreach_copy_") == 1, calls.ops
+    assert all(torch.equal(d, s.bfloat16()) for d, s in zip(dsts, f32))
+    flat = torch.empty(sum(t.numel() for t in f32), device="cuda")
+    with _AtenCalls() as calls:
+        K.flat_copy_in_(flat, f32)
+    assert calls.count("aten._foreach_copy_") == 1, calls.ops
+    assert torch.equal(flat, torch.cat(f32))

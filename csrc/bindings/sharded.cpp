@@ -40,6 +40,20 @@ void init_sharded(py::module_& m) {
                                                                         : "reduce_scatter";
       });
 
+  // Test seam (tests/test_gpu_paths.py, issue 23 G8): set_storage_bytes on a fake device.
+  m.def(
+      "_probe_storage_allocation_device",
+      [](int64_t index) {
+        const auto r = engines::sharded::probe_storage_allocation_device(index);
+        py::dict out;
+        out["tensor_index"] = r.tensor_index;
+        out["allocated_on"] = r.allocated_on;
+        out["current_before"] = r.current_before;
+        out["current_after"] = r.current_after;
+        return out;
+      },
+      py::arg("index"));
+
   py::class_<ShardedCore>(m, "ShardedCore")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::string>,
                     std::vector<at::ScalarType>, const std::string&, const CoreOptions&>(),

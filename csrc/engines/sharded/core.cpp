@@ -114,8 +114,10 @@ std::vector<LayoutParam> describe(const std::vector<at::Tensor>& params,
   return out;
 }
 
-// Give `t`'s storage `nbytes` of fresh memory (0: release it). Views keep the storage
-// object, so they see the new memory. See [Note: parameter sharding] in core.h.
+}  // namespace
+
+// See core.h. Views keep the storage object, so they see the new memory ([Note: parameter
+// sharding] in core.h).
 void set_storage_bytes(const at::Tensor& t, size_t nbytes) {
   auto* impl = t.storage().unsafeGetStorageImpl();
   if (nbytes == 0) {
@@ -129,8 +131,6 @@ void set_storage_bytes(const at::Tensor& t, size_t nbytes) {
   }
   impl->set_nbytes(nbytes);
 }
-
-}  // namespace
 
 ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string> names,
                          std::vector<c10::ScalarType> storage_dtypes,

@@ -368,4 +368,20 @@ class ShardedCore {
   std::mutex mutex_;
 };
 
+// Gives `t`'s storage `nbytes` of fresh memory from its own allocator (0: releases it),
+// allocated on `t`'s device: a DeviceGuard makes that device current first, because a device
+// allocator (CUDA's caching allocator) allocates on the current device, which on a rank
+// that drives several GPUs need not be the parameter's (issue 23, G8). Used to re-make the
+// flat parameter buffers' storage (unshard/reshard).
+void set_storage_bytes(const at::Tensor& t, size_t nbytes);
+
+// What set_storage_bytes did on a fake device with two or more indices (a test seam, run by
+// tests/test_gpu_paths.py on any CPU): the fake device's current index was `current_before`
+// (0), a tensor on index `tensor_index` had its storage re-made, the allocator saw index
+// `allocated_on` current while it allocated, and `current_after` was current afterwards.
+struct StorageAllocationProbe {
+  int64_t tensor_index, allocated_on, current_before, current_after;
+};
+StorageAllocationProbe probe_storage_allocation_device(int64_t index);
+
 }  // namespace mixprec::engines::sharded

@@ -629,7 +629,7 @@ def _rank_runs(state, cfg: Config, backend: str, variants: list, measure_memory:
             out["runs"][(precision, variant)] = train(cfg, backend, precision, rank=state.rank, threads=1,
                                                       broken=variant)
     if measure_memory:
-        out["memory"] = measure_backend(cfg, backend, "bf16", rank=state.rank, time_it=False)
+        out["memory"] = measure_backend(cfg, backend, "bf16", rank=state.rank)
     faulthandler.cancel_dump_traceback_later()
     return out
 
@@ -1063,7 +1063,7 @@ def _mixprec_contender(cfg: Config, backend: str, precision: str):
     return step, acc
 
 
-def measure_backend(cfg: Config, backend: str, precision: str, *, rank: int = 0, time_it: bool = False) -> dict:
+def measure_backend(cfg: Config, backend: str, precision: str, *, rank: int = 0) -> dict:
     """Peak memory of 3 steps of ``backend`` (at whatever world the process is in)."""
     dev = torch.device(cfg.device)
     batches = _perf_batches(cfg, dev, rank)

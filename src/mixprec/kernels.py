@@ -35,9 +35,19 @@ __all__ = [
 
 
 def unscale_and_check_(tensors: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    """``torch._amp_foreach_non_finite_check_and_unscale_`` in one pass (bitwise equal).
-    A non-contiguous tensor (a gradient of a param whose ``.data`` was given another layout)
-    goes to torch's op, which takes any layout."""
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` in one pass (bitwise equal)."""
+    _C.unscale_and_check_(list(tensors), found_inf, inv_scale)
+
+
+def l2_norm(tensors: Sequence[Tensor], found_inf: Optional[Tensor] = None) -> Tensor:
+    """Global L2 norm (fp32 0-dim); sets ``found_inf`` to 1.0 when it is not finite."""
+    return _C.l2_norm(list(tensors), found_inf)
+
+
+def unscale_and_check_any_(tensors: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """:func:`unscale_and_check_` for gradients of any layout: a non-contiguous one (a param
+    whose ``.data`` was given another layout) goes to torch's op, which takes any layout
+    and is bitwise the same."""
     tensors = list(tensors)
     if all(t.is_contiguous() for t in tensors):
         _C.unscale_and_check_(tensors, found_inf, inv_scale)
@@ -47,9 +57,9 @@ def unscale_and_check_(tensors: Sequence[Tensor], found_inf: Tensor, inv_scale: 
                                                       found_inf, inv_scale)
 
 
-def l2_norm(tensors: Sequence[Tensor], found_inf: Optional[Tensor] = None) -> Tensor:
-    """Global L2 norm (fp32 0-dim); sets ``found_inf`` to 1.0 when it is not finite. A
-    non-contiguous tensor is read through a contiguous copy."""
+def l2_norm_any(tensors: Sequence[Tensor], found_inf: Optional[Tensor] = None) -> Tensor:
+    """:func:`l2_norm` for tensors of any layout (a non-contiguous one is read through a
+    contiguous copy)."""
     return _C.l2_norm([t if t.is_contiguous() else t.contiguous() for t in tensors], found_inf)
 
 

@@ -148,7 +148,7 @@ class Comm:
         if not grads:
             return torch.zeros((), device=self.device)
         if float(norm_type) == 2.0:
-            return kernels.l2_norm(grads, check)
+            return kernels.l2_norm_any(grads, check)
         return torch.nn.utils.get_total_norm(grads, norm_type)
 
     # ------------------------------------------------------------------- steps

@@ -263,7 +263,7 @@ class Precision:
         """Multiply by 1/scale (fp16) or 1 (bf16/fp32) and OR inf/nan into found_inf, in
         one pass ([Note: non-finite guard] in engines/base.py)."""
         inv = self.inv_scale() if self.scaler is not None else self._unit_scale
-        kernels.unscale_and_check_(grads, self.found_inf, inv)
+        kernels.unscale_and_check_any_(grads, self.found_inf, inv)
 
     @staticmethod
     def clip_(grads: Sequence[torch.Tensor], total: torch.Tensor, max_norm: float) -> None:

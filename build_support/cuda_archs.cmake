@@ -15,7 +15,7 @@
 # compiles for any later GPU. A cubin for X.y runs on X.z with z >= y (8.0 code runs on an
 # 8.7 Orin, 10.0 code on a 10.3 B300, 12.0 on a 12.1 GB10); a GPU of another major needs
 # its own entry or PTX from an older arch. src/mixprec/cuda_arch.py applies the same rules
-# at prepare() to the list the extension reports (mixprec.build_info()["cuda_archs"]).
+# when an engine is built for a GPU, to the list the extension reports (mixprec.build_info()["cuda_archs"]).
 #
 # The result is in CMake's CUDA_ARCHITECTURES form: "75-real" is SASS only, "120-virtual"
 # PTX only, "120" both. An explicit MIXPREC_CUDA_ARCHS (e.g. "89" for one RTX 4090 box,

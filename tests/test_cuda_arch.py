@@ -1,4 +1,4 @@
-"""The GPU check at prepare() (src/mixprec/cuda_arch.py) and the arch list the build picks
+"""The GPU check when an engine is built (src/mixprec/cuda_arch.py) and the arch list the build picks
 (build_support/cuda_archs.cmake), on CPU: the GPU and the compiled archs are faked."""
 
 import os
@@ -98,22 +98,33 @@ def test_covered_gpus_pass_and_say_how(fake_gpu):
     assert cuda_arch.check_device(torch.device("cuda", 0)).startswith("compute_120 (PTX")
 
 
-def test_without_fused_kernels_only_a_cuda_build_is_required(fake_gpu):
-    fake_gpu((7, 5), "Tesla T4", OLD_DEFAULT)
-    assert cuda_arch.check_device(torch.device("cuda", 0), fused_kernels=False) is None
+def test_a_build_without_cuda_kernels_is_refused(fake_gpu):
     fake_gpu((9, 0), "NVIDIA H200", [], has_cuda=False)
-    for fused in (True, False):
-        with pytest.raises(UnsupportedGPUError, match=r"no CUDA kernels .*MIXPREC_CUDA=ON"):
-            cuda_arch.check_device(torch.device("cuda", 0), fused_kernels=fused)
+    with pytest.raises(UnsupportedGPUError, match=r"no CUDA kernels .*MIXPREC_CUDA=ON"):
+        cuda_arch.check_device(torch.device("cuda", 0))
 
 
 def test_engine_refuses_the_gpu_before_touching_it(fake_gpu):
-    # The call site: Engine.__init__ (src/mixprec/engines/base.py), reached from prepare().
+    # The call site: Engine.__init__ (src/mixprec/engines/base.py), which Accelerator(...) builds.
     fake_gpu((7, 5), "Tesla T4", OLD_DEFAULT)
     with pytest.raises(UnsupportedGPUError, match=r"Tesla T4, compute capability 7\.5"):
         Engine(PrecisionPolicy.from_mixed_precision("bf16"), torch.device("cuda", 0))
     with pytest.raises(ValueError, match="not a CUDA device"):
         cuda_arch.check_device(torch.device("cpu"))
+
+
+def test_engine_without_fused_steps_does_not_check(fake_gpu, monkeypatch):
+    # Only the fused steps launch mixprec's kernels: fused_optimizer=False steps with torch's
+    # optimizers, so the engine does not ask (on this CPU machine it then fails on CUDA itself).
+    calls = []
+    monkeypatch.setattr(cuda_arch, "check_device", lambda device: calls.append(device))
+    fake_gpu((7, 5), "Tesla T4", OLD_DEFAULT)
+    with pytest.raises(Exception) as err:
+        Engine(PrecisionPolicy.from_mixed_precision("bf16"), torch.device("cuda", 0), fused_optimizer=False)
+    assert calls == [] and not isinstance(err.value, UnsupportedGPUError)
+    with pytest.raises(Exception):
+        Engine(PrecisionPolicy.from_mixed_precision("bf16"), torch.device("cuda", 0))
+    assert calls == [torch.device("cuda", 0)]
 
 
 # ---- build_support/cuda_archs.cmake: the list AUTO resolves to -----------------------

@@ -6,7 +6,7 @@ MIXPREC_CUDA_ARCHS ([Note: CUDA archs] in build_support/cuda_archs.cmake), and t
 reports them: ``mixprec.build_info()["cuda_archs"]``, CMake CUDA_ARCHITECTURES entries
 ("75-real": machine code only, "120-virtual": PTX only, "120": both). Without a matching
 image the first fused step dies with CUDA's "no kernel image is available for execution on
-the device"; :func:`check_device` says so at ``prepare()`` instead, naming the GPU, its
+the device"; :func:`check_device` says so when the engine is built (``Accelerator(...)`` on a CUDA device) instead, naming the GPU, its
 compute capability and the build option.
 
 The rules, CUDA's own: machine code for X.y runs on X.z with z >= y (an arch-specific
@@ -89,14 +89,13 @@ _REBUILD = ("pip install --no-build-isolation --force-reinstall --no-deps mixpre
             "(from a checkout: make install)")
 
 
-def check_device(device: torch.device, *, fused_kernels: bool = True) -> Optional[str]:
-    """Refuse a CUDA ``device`` this build cannot serve, before any work is done on it.
-
-    A build without CUDA kernels cannot run mixprec's ops on CUDA tensors at all. With
-    ``fused_kernels`` (the engine's ``fused_optimizer``) the GPU's compute capability must
-    also be covered by the compiled archs (module docstring). Returns how the kernels run
-    there ("sm_90", "compute_120 (PTX, ...)"), or None when ``fused_kernels`` is off.
-    Raises :class:`UnsupportedGPUError` naming the GPU, its capability and the fix."""
+def check_device(device: torch.device) -> str:
+    """Refuse a CUDA ``device`` the fused kernels cannot run on, before any work is done on
+    it: a build without CUDA kernels, or a GPU whose compute capability no compiled arch
+    covers (module docstring). Returns how the kernels run there ("sm_90",
+    "compute_120 (PTX, ...)"). Raises :class:`UnsupportedGPUError` naming the GPU, its
+    capability and the fix. The engine calls it when its fused optimizer steps are on
+    (``fused_optimizer``, src/mixprec/engines/base.py): nothing else launches mixprec's kernels."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"mixprec.cuda_arch.check_device: {device} is not a CUDA device")
@@ -108,8 +107,6 @@ def check_device(device: torch.device, *, fused_kernels: bool = True) -> Optiona
             f"kernels (mixprec.build_info()['cuda'] is False: it was built without nvcc or "
             f"with a CPU torch). Rebuild it where torch has CUDA and nvcc is installed: "
             f"MIXPREC_CUDA=ON {_REBUILD}; docs/building.md.")
-    if not fused_kernels:
-        return None
     capability = tuple(torch.cuda.get_device_capability(index))
     how = kernel_image_for(entries, capability)
     if how is not None:

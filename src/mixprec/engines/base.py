@@ -92,8 +92,8 @@ class Engine:
 
     def __init__(self, policy: PrecisionPolicy, device: torch.device, comm_cls: type[Comm] = SingleComm,
                  *, fused_optimizer: bool = True, **engine_options) -> None:
-        if device.type == "cuda":  # a GPU the kernels were not compiled for: refused here (cuda_arch.py)
-            cuda_arch.check_device(device, fused_kernels=fused_optimizer)
+        if device.type == "cuda" and fused_optimizer:  # a GPU the kernels lack: refused (cuda_arch.py)
+            cuda_arch.check_device(device)
         self.comm = comm_cls(policy, device, **engine_options)  # the backend's communication
         self.policy = self.comm.policy  # resolved precision policy (a comm may adjust it)
         self.device = device  # where parameters and gradients live

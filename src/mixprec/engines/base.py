@@ -24,7 +24,7 @@ from ..policy import PrecisionPolicy
 from ..step import DeviceScalars, StepResult, check_clip_limit
 from ..wrappers.model import AutocastGate
 from .precision import Precision
-from .clip_sources import ClipSources, plans_of
+from .clip_sources import ClipSources, PlannedParameters, plans_of
 from .comm import Comm
 from .single import SingleComm
 
@@ -291,14 +291,13 @@ class Engine:
         from the owned shards, with one all-reduce that also agrees found_inf."""
         max_norm = check_clip_limit("max_norm", max_norm)
         parameters = self.clip_sources.parameters(parameters)
-        if self.placement is None:
-            total = self._clip_from_plans(parameters, max_norm, norm_type)
-            if total is not None:
-                return total
+        planned = None if self.placement is not None else self._planned_clip(parameters, norm_type)
+        if planned is not None:
+            parameters = planned  # the same params, with the step plans that hold their grads
         grads = self.comm.clip_grads(parameters, whole=True)
         if self.placement is not None:
             self.placement.note_clip(self.comm, parameters)
-        deferred = self._clip_deferrable(grads, norm_type)
+        deferred = planned is not None or self._clip_deferrable(grads, norm_type)
         if deferred:
             # [Note: clip inside the update] one read of the gradients: the norm, with the
             # non-finite check folded in (a non-finite norm is a non-finite gradient).
@@ -315,15 +314,16 @@ class Engine:
             return self._defer_clip(total, max_norm, unscaled)
         return self._clip_now(grads, total, max_norm)
 
-    def _clip_from_plans(self, parameters, max_norm: float, norm_type: float) -> Optional[torch.Tensor]:
-        """The deferred clip of [Note: clip inside the update] with the norm taken over the
-        step plans' gradients ([Note: the clip shares the step plan] in
-        engines/clip_sources.py): when ``parameters`` are a prepared model's cached tuple
-        covering exactly what the optimizers step, on a comm that clips the gradients its
-        optimizers read. None: nothing done, the general path decides."""
+    def _planned_clip(self, parameters, norm_type: float) -> Optional[PlannedParameters]:
+        """``parameters`` with the step plans of every optimizer when the clip can take its
+        norm over the plans' gradients and leave the multiply to the update ([Note: the clip
+        shares the step plan] in engines/clip_sources.py): a prepared model's cached tuple
+        covering exactly what the optimizers step, a comm whose clip_grads/global_norm are
+        the base ones, every optimizer fused. None: the general path decides."""
         states = list(self.optimizers.values())
+        comm_cls = type(self.comm)
         if not (self.clip_in_step and states and float(norm_type) == 2.0
-                and type(self.comm).clip_grads is Comm.clip_grads):
+                and comm_cls.clip_grads is Comm.clip_grads and comm_cls.global_norm is Comm.global_norm):
             return None
         if any(st.grad_scale is not None for st in states) or len({st.unscaled for st in states}) != 1:
             return None
@@ -335,12 +335,7 @@ class Engine:
         if plans is None or not self.clip_sources.covers(
                 parameters, lambda p: master_of.get(id(p), p), optimizers, plans):
             return None
-        self.comm.fold()
-        unscaled = states[0].unscaled
-        raw = kernels.plans_l2_norm(plans, None if unscaled else self.found_inf)
-        if raw is None:
-            return None  # no gradient at all: the general path
-        return self._defer_clip(raw, max_norm, unscaled)
+        return PlannedParameters(parameters, plans)
 
     def _clip_now(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Clip ``grads`` in place by the global norm ``total`` (torch's rule) and record it

@@ -9,7 +9,11 @@ a parameter or a submodule since (torch's global registration hooks bump ``_VERS
 With that tuple the engine knows, once, whether the clip covers exactly the params its
 optimizers step; if so, the norm is taken over the gradients the step plans already hold
 ([Note: the step plan] in kernels.py, one C++ call: ``_C.plans_l2_norm``), and the clip's
-factor goes into the fused update ([Note: clip inside the update] in engines/base.py).
+factor goes into the fused update ([Note: clip inside the update] in engines/base.py). The
+Comm contract is kept: the engine hands ``clip_grads`` the parameters as a
+:class:`PlannedParameters` (a tuple of them carrying the plans); the base Comm answers with
+:class:`PlannedGrads`, whose norm its ``global_norm`` takes; a Comm that overrides either
+hook is not given plans.
 Python's work per clip is then O(optimizers + param groups).
 """
 
@@ -88,6 +92,28 @@ class ClipSources:
         self._models.clear()
         self._tuples.clear()
         self._covers.clear()
+
+
+class PlannedParameters(tuple):
+    """A clip's parameters (a tuple of them, usable as such by any Comm) that carries the
+    step plans holding exactly their gradients."""
+
+    plans: list
+
+    def __new__(cls, params, plans):
+        self = super().__new__(cls, params)
+        self.plans = plans
+        return self
+
+
+class PlannedGrads:
+    """What Comm.clip_grads returns for PlannedParameters: the plans' gradients, left in
+    C++ (Comm.global_norm takes their norm in one call, ``_C.plans_l2_norm``)."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self, plans) -> None:
+        self.plans = plans
 
 
 def plans_of(optimizers: Sequence[torch.optim.Optimizer], lowp_of) -> Optional[list]:

@@ -39,6 +39,7 @@ from .. import _C, kernels
 from ..checkpoint.format import model_prefix
 from ..distributed.structure import check_same_model
 from ..policy import PrecisionPolicy
+from .clip_sources import PlannedGrads, PlannedParameters
 from .replicated_state import replicated_load_state_shards, replicated_state_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,6 +139,9 @@ class Comm:
         """The gradients a clip of ``parameters`` reads (folded first). ``whole``: a norm
         clip, which a sharded comm computes over every parameter it shards."""
         self.fold()
+        if isinstance(parameters, PlannedParameters):
+            # [Note: the clip shares the step plan] (engines/clip_sources.py)
+            return PlannedGrads(parameters.plans)
         grad_of = self.precision.grad_of
         return [g for p in parameters if (g := grad_of(p)) is not None]
 
@@ -145,6 +149,9 @@ class Comm:
                     check: Optional[torch.Tensor]) -> torch.Tensor:
         """The norm of the whole gradient given this rank's ``grads`` (fp32 device
         scalar); ``check``: also OR inf/nan into this flag (2-norm only)."""
+        if isinstance(grads, PlannedGrads):
+            total = kernels.plans_l2_norm(grads.plans, check)
+            return torch.zeros((), device=self.device) if total is None else total
         if not grads:
             return torch.zeros((), device=self.device)
         if float(norm_type) == 2.0:

@@ -56,7 +56,7 @@ def test_flipped_byte_fails_checksum(saved, tmp_path):
     data = bytearray(f.read_bytes())
     data[-3] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="sha256"):
+    with pytest.raises(CheckpointError, match="fails its checksum"):
         CheckpointReader(ck)
 
 

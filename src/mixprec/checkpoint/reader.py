@@ -6,7 +6,20 @@ shard table that has a hole, names a key its file does not hold, or a dtype its 
 not store. The constructor therefore also checks every field it will ever read (required
 metadata fields, every tensor's shape, dtype and slice table, every slice's file and key in
 that file's safetensors header) so that a later read cannot fail half-way through a load.
-Every rank runs the same checks on every tensor, not only on the ranges it will read.
+Every rank runs the same checks of the metadata on every tensor, not only on the ranges it
+will read.
+
+[Note: verified shares] The bytes are checked as they are read, and each rank reads what it
+loads. ``CheckpointReader(path, share=(rank, world))`` (what ``load_state`` uses) verifies
+in its constructor the header and every slice of the tensor files ``k`` with
+``k % world == rank`` (for a load by the layout that saved, exactly the files this rank
+loads), keeping the slices it read; ``load_state`` agrees on every rank's verdict before
+anything changes, so every byte of the checkpoint was checked by some rank before any
+rank loads. A later read returns those kept slices (without copying when it asks for whole
+slices) and reads and verifies any other slice it needs on the spot. Without ``share`` the
+constructor checks every byte (as ``mixprec consolidate`` and a bare reader need). The
+small files (``objects.pt``, ``rank*.pt``) are checked whenever they are loaded. Old
+checkpoints, with one sha256 per whole file, are checked whole as before.
 
 Example::
 
@@ -18,7 +31,9 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -66,8 +81,11 @@ class CheckpointReader:
     ``metadata.json``. Integrity (the ``COMPLETE`` marker, the metadata checksum, every
     file's size and sha256) is checked in the constructor, before anything is read."""
 
-    def __init__(self, path, verify_files: bool = True) -> None:
+    def __init__(self, path, verify_files: bool = True, share: Optional[tuple] = None) -> None:
         self.path = Path(path)
+        self._fds: dict = {}
+        self._kept: dict = {}  # (file, start) -> a verified slice read by the constructor
+        self._headers_ok: set = set()
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {str(self.path)!r} does not exist; check the path")
         marker = self.path / fmt.COMPLETE
@@ -97,15 +115,142 @@ class CheckpointReader:
                 f"version {fmt.FORMAT_VERSION}. Use the mixprec version that wrote it"
             )
         self._check_fields()
-        if verify_files:
-            for name, info in self.metadata["files"].items():
-                self._verify(name, info)
         self.index = {
             name: (tuple(e["shape"]), fmt.dtype_from_str(e["dtype"])) for name, e in self.metadata["tensors"].items()
         }
         self._handles: dict = {}
+        files = self.metadata["files"]
+        self._slices_of: dict = {}  # tensor file -> [(tensor name, shard)]
+        for name, e in self.metadata["tensors"].items():
+            for sh in e["shards"]:
+                self._slices_of.setdefault(sh["file"], []).append((name, sh))
         if verify_files:
-            self._check_slices()
+            rank, world = share if share is not None else (0, 1)
+            tensor_files = sorted(n for n in files if n.startswith("tensors-rank"))
+            mine = set(tensor_files[rank::world]) if share is not None else set(tensor_files)
+            for name, info in files.items():
+                if self._is_sliced(name):
+                    if name in mine:
+                        self._verify_sliced_file(name, keep=share is not None)
+                    else:
+                        self._check_size(name, info)
+                else:  # small files, and whole-file checksums of old checkpoints
+                    self._verify(name, info)
+            if any(not self._is_sliced(n) for n in self._slices_of):
+                self._check_slices()
+
+    def _is_sliced(self, file: str) -> bool:
+        """A tensor file whose header and slices carry their own checksums ([Note: checksums])."""
+        return isinstance(self.metadata["files"][file].get("header"), dict)
+
+    def release(self) -> None:
+        """Drop the kept slices and close the files (the reader stays usable)."""
+        self._kept.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _fd(self, file: str) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(self.path / file, os.O_RDONLY)
+        return self._fds[file]
+
+    def _pread_into(self, file: str, start: int, buf: torch.Tensor) -> None:
+        view = memoryview(buf.view(torch.uint8).numpy()) if buf.numel() else memoryview(b"")
+        fd, done, total = self._fd(file), 0, len(view)
+        while done < total:
+            n = os.preadv(fd, [view[done: done + (1 << 30)]], start + done)
+            if n <= 0:
+                raise CheckpointError(
+                    f"checkpoint {str(self.path)!r}: {file} ends at byte {start + done}, its metadata says "
+                    f"more (truncated or corrupt); nothing was loaded. Load another checkpoint"
+                )
+            done += n
+
+    def _corrupt(self, file: str, what: str, algorithm: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {str(self.path)!r}: {file} fails its checksum ({algorithm}) on {what} (corrupt); "
+            "nothing was loaded. Load another checkpoint"
+        )
+
+    def _check_size(self, name: str, info: dict) -> None:
+        path = self.path / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(self.path)!r} lacks its file {name!r}; nothing was loaded")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {str(self.path)!r}: {name} has {size} bytes, its metadata says "
+                f"{info['bytes']} (truncated or corrupt); nothing was loaded. Load another checkpoint"
+            )
+
+    def _verify_header(self, file: str) -> None:
+        """The file's safetensors header has its checksum and lists every slice the table
+        puts in this file at the byte range, shape and dtype the table says."""
+        if file in self._headers_ok:
+            return
+        info = self.metadata["files"][file]
+        self._check_size(file, info)
+        head = info["header"]
+        raw = torch.empty(head["bytes"], dtype=torch.uint8)
+        self._pread_into(file, 0, raw)
+        data = raw.numpy().tobytes()
+        algorithm, expected = fmt.checksum_in(head)
+        if fmt.checksum_bytes(data, algorithm) != expected:
+            raise self._corrupt(file, "its header", algorithm)
+        try:
+            header = json.loads(data[8:])
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: {file} has an unreadable header ({e})") from None
+        for name, sh in self._slices_of.get(file, []):
+            where = f"tensors.{name}.shards[{self.metadata['tensors'][name]['shards'].index(sh)}]"
+            if sh["key"] not in header:
+                raise self._bad(where + ".key", f"{sh['key']!r} is not in {file}")
+            e = header[sh["key"]]
+            dtype = self.metadata["tensors"][name]["dtype"]
+            if e.get("shape") != [sh["numel"]] or e.get("dtype") != dtype:
+                raise self._bad(where, f"{file}[{sh['key']!r}] stores shape {e.get('shape')} dtype "
+                                f"{e.get('dtype')}, the table says [{sh['numel']}] {dtype}")
+            lo = sh["start"] - head["bytes"]
+            if e.get("data_offsets") != [lo, lo + self._nbytes(name, sh)]:
+                raise self._bad(where + ".start", f"{file}[{sh['key']!r}] lies at bytes {e.get('data_offsets')} "
+                                f"of its data, the table says {[lo, lo + self._nbytes(name, sh)]}")
+        self._headers_ok.add(file)
+
+    def _nbytes(self, name: str, sh: dict) -> int:
+        return sh["numel"] * torch.empty((), dtype=self.index[name][1]).element_size()
+
+    def _read_slice(self, name: str, sh: dict, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The whole slice ``sh`` of ``name``, read once and verified on the way ([Note: checksums])."""
+        kept = self._kept.pop((sh["file"], sh["start"]), None)
+        if kept is not None:
+            if out is None:
+                return kept
+            out.copy_(kept)
+            return out
+        self._verify_header(sh["file"])
+        buf = out if out is not None else torch.empty(sh["numel"], dtype=self.index[name][1])
+        self._pread_into(sh["file"], sh["start"], buf)
+        algorithm, expected = fmt.checksum_in(sh)
+        if sh["numel"] and fmt.checksum_bytes(memoryview(buf.view(torch.uint8).numpy()), algorithm) != expected:
+            raise self._corrupt(sh["file"], f"the slice {sh['key']!r}", algorithm)
+        if not sh["numel"] and fmt.new_checksum(algorithm).hexdigest() != expected:
+            raise self._corrupt(sh["file"], f"the slice {sh['key']!r}", algorithm)
+        return buf
+
+    def _verify_sliced_file(self, file: str, keep: bool) -> None:
+        """Verify a tensor file's header and every slice in it; ``keep`` the slices read."""
+        self._verify_header(file)
+        for name, sh in self._slices_of.get(file, []):
+            t = self._read_slice(name, sh)
+            if keep:
+                self._kept[(file, sh["start"])] = t
 
     def _bad(self, field: str, problem: str) -> CheckpointError:
         return CheckpointError(
@@ -123,10 +268,14 @@ class CheckpointReader:
             if not isinstance(m.get(key), dict):
                 raise self._bad(key, f"must be an object, got {type(m.get(key)).__name__}")
         for name, info in m["files"].items():
-            if not (isinstance(info, dict) and isinstance(info.get("bytes"), int)
-                    and isinstance(info.get("sha256"), str)) or "/" in name or name.startswith("."):
-                raise self._bad(f"files.{name}", f"must be {{bytes: int, sha256: str}} naming a file "
-                                f"of the checkpoint, got {info!r}")
+            head = info.get("header") if isinstance(info, dict) else None
+            summed = isinstance(info, dict) and (
+                fmt.checksum_in(info) is not None
+                or (isinstance(head, dict) and isinstance(head.get("bytes"), int) and fmt.checksum_in(head) is not None))
+            if not (summed and isinstance(info.get("bytes"), int)) or "/" in name or name.startswith("."):
+                raise self._bad(f"files.{name}", f"must be {{bytes: int, <checksum>: str}} or {{bytes: int, header: "
+                                f"{{bytes: int, <checksum>: str}}}} (checksums: {list(fmt.CHECKSUMS)}) naming a "
+                                f"file of the checkpoint, got {info!r}")
         for name, e in m["tensors"].items():
             where = f"tensors.{name}"
             if not isinstance(e, dict):
@@ -153,6 +302,15 @@ class CheckpointReader:
                 if sh["file"] not in m["files"]:
                     raise self._bad(f"{where}.shards[{k}].file",
                                     f"{sh['file']!r} is not one of the checkpoint's files {sorted(m['files'])}")
+                if isinstance(m["files"][sh["file"]].get("header"), dict):
+                    info = m["files"][sh["file"]]
+                    nbytes = sh["numel"] * torch.empty((), dtype=fmt.dtype_from_str(e["dtype"])).element_size()
+                    start = sh.get("start")
+                    if (not isinstance(start, int) or isinstance(start, bool) or fmt.checksum_in(sh) is None
+                            or start < info["header"]["bytes"] or start + nbytes > info["bytes"]):
+                        raise self._bad(f"{where}.shards[{k}]", f"must have a start (byte offset) inside the data of "
+                                        f"{sh['file']} ({info['header']['bytes']}..{info['bytes']}) and a checksum, "
+                                        f"got {sh!r}")
             try:
                 check_coverage(name, e, refusing="refusing to read an incomplete tensor")
             except ValueError as err:
@@ -164,6 +322,8 @@ class CheckpointReader:
             dtype = e["dtype"]
             for k, sh in enumerate(e["shards"]):
                 where = f"tensors.{name}.shards[{k}]"
+                if self._is_sliced(sh["file"]):
+                    continue
                 try:
                     handle = self._handle(sh["file"])
                     if sh["key"] not in handle.keys():
@@ -182,20 +342,25 @@ class CheckpointReader:
                                     f"{stored}, the table says [{sh['numel']}] {dtype}")
 
     def _verify(self, name: str, info: dict) -> None:
-        path = self.path / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {str(self.path)!r} lacks its file {name!r}; nothing was loaded")
-        size = path.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(
-                f"checkpoint {str(self.path)!r}: {name} has {size} bytes, its metadata says "
-                f"{info['bytes']} (truncated or corrupt); nothing was loaded. Load another checkpoint"
-            )
-        if fmt.sha256_file(path) != info["sha256"]:
-            raise CheckpointError(
-                f"checkpoint {str(self.path)!r}: {name} fails its sha256 check (corrupt); nothing "
-                "was loaded. Load another checkpoint"
-            )
+        """A whole file against its size and checksum (small files; old tensor files)."""
+        self._check_size(name, info)
+        if self._is_sliced(name):
+            self._verify_sliced_file(name, keep=False)
+            return
+        algorithm, expected = fmt.checksum_in(info)
+        if fmt.checksum_file(self.path / name, algorithm) != expected:
+            raise self._corrupt(name, "its contents", algorithm)
+
+    def _read_blob_bytes(self, name: str) -> bytes:
+        info = self.metadata["files"].get(name)
+        if info is None:
+            raise CheckpointError(f"checkpoint {str(self.path)!r}: {name} is not listed in {fmt.METADATA}")
+        self._check_size(name, info)
+        data = (self.path / name).read_bytes()
+        algorithm, expected = fmt.checksum_in(info)
+        if fmt.checksum_bytes(data, algorithm) != expected:
+            raise self._corrupt(name, "its contents", algorithm)
+        return data
 
     @property
     def world_size(self) -> int:
@@ -209,15 +374,25 @@ class CheckpointReader:
         total = fmt.numel_of(shape)
         if offset < 0 or numel < 0 or offset + numel > total:
             raise ValueError(f"{name!r}: range [{offset}, {offset + numel}) outside its {total} elements")
-        out = torch.empty(numel, dtype=dtype)
         end = offset + numel
+        shards = self.metadata["tensors"][name]["shards"]
+        exact = [s for s in shards if s["offset"] == offset and s["numel"] == numel and numel]
+        if exact and self._is_sliced(exact[0]["file"]):
+            return self._read_slice(name, exact[0])  # the common case: one whole slice, no copy
+        out = torch.empty(numel, dtype=dtype)
         filled = 0
-        for s in self.metadata["tensors"][name]["shards"]:
+        for s in shards:
             lo, hi = max(offset, s["offset"]), min(end, s["offset"] + s["numel"])
             if lo >= hi:
                 continue
-            part = self._handle(s["file"]).get_slice(s["key"])[lo - s["offset"]: hi - s["offset"]]
-            out[lo - offset: hi - offset] = part
+            if self._is_sliced(s["file"]):
+                if lo == s["offset"] and hi == s["offset"] + s["numel"]:
+                    self._read_slice(name, s, out[lo - offset: hi - offset])
+                else:  # part of a slice: read the slice whole to verify it
+                    out[lo - offset: hi - offset] = self._read_slice(name, s)[lo - s["offset"]: hi - s["offset"]]
+            else:
+                part = self._handle(s["file"]).get_slice(s["key"])[lo - s["offset"]: hi - s["offset"]]
+                out[lo - offset: hi - offset] = part
             filled += hi - lo
         if filled != numel:
             raise CheckpointError(f"{name!r}: the checkpoint's slices cover {filled} of the {numel} elements asked for")
@@ -242,8 +417,9 @@ class CheckpointReader:
 
     def _load_blob(self, name: str) -> dict:
         """``torch.load`` of a non-tensor file; anything unreadable is a CheckpointError."""
+        data = self._read_blob_bytes(name)
         try:
-            obj = torch.load(self.path / name, weights_only=True)
+            obj = torch.load(io.BytesIO(data), weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError,
                 AttributeError, KeyError, IndexError) as e:
             raise CheckpointError(

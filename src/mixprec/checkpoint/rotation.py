@@ -63,12 +63,24 @@ def list_checkpoints(folder) -> list:
     folder = Path(folder)
     if not folder.is_dir():
         return []
+    _restore_interrupted_overwrites(folder)
     found = []
     for p in folder.iterdir():
         m = _NAME.match(p.name)
         if m and p.is_dir() and (p / COMPLETE).is_file():
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
+
+
+def _restore_interrupted_overwrites(folder: Path) -> None:
+    """Put back checkpoints an overwrite killed between its two renames left hidden
+    ([Note: interrupted overwrite] in checkpoint/writer.py), so they are listed."""
+    from .writer import _TEMP, restore_moved_aside
+
+    for p in list(folder.iterdir()):
+        m = _TEMP.match(p.name)
+        if m is not None and m["kind"] == "old":
+            restore_moved_aside(folder / m["target"])
 
 
 def latest_checkpoint(folder) -> Path:

@@ -38,6 +38,7 @@ from .accelerate_folder import AccelerateFolder, is_accelerate_folder
 from .dataloader import ResumableDataLoader, StatefulPreparedDataLoader
 from .format import CheckpointError
 from .reader import CheckpointReader
+from .writer import restore_moved_aside
 from .rng import capture_rng, restore_rng
 from .writer import write_checkpoint
 
@@ -102,8 +103,11 @@ def load_accelerator_state(acc, source: Path, custom: list):
     try:
         # A folder written by Accelerate's save_state is read through the same checks
         # (checkpoint/accelerate_folder.py); everything else must be a mixprec checkpoint.
+        restore_moved_aside(Path(source))  # [Note: interrupted overwrite] in checkpoint/writer.py
+        # Each rank verifies its share of the bytes ([Note: verified shares], reader.py); the
+        # agreement below makes every share's verdict everybody's before anything changes.
         reader = (AccelerateFolder(source, acc, custom) if is_accelerate_folder(source)
-                  else CheckpointReader(source))
+                  else CheckpointReader(source, share=(acc.state.rank, acc.state.world_size)))
         objects = reader.objects()
         _check_objects(reader, objects)
         own_state = reader.rank_state(acc.state.rank)
@@ -120,7 +124,11 @@ def load_accelerator_state(acc, source: Path, custom: list):
     if errors:
         # The same text on every rank (each rank's problem names its own path).
         raise CheckpointError("load_state() loaded nothing, on any rank: " + "; ".join(errors))
-    acc.engine.load_state_shards(acc.prepared.models, acc.prepared.raw_optimizers(), reader)
+    try:
+        acc.engine.load_state_shards(acc.prepared.models, acc.prepared.raw_optimizers(), reader)
+    finally:
+        if isinstance(reader, CheckpointReader):
+            reader.release()
     for opt, saved in zip(acc.prepared.optimizers, objects["optimizers"]):
         for group, hyper in zip(opt.param_groups, saved["param_groups"]):
             group.update(hyper)

@@ -36,6 +36,9 @@ from . import format as fmt
 
 # Test hook: the rank given here SIGKILLs itself half-way through writing its tensor file.
 KILL_ENV = "MIXPREC_CHECKPOINT_TEST_KILL_RANK"
+# Test hook: "1" makes rank 0 SIGKILL itself between the two renames of an overwrite (the
+# previous checkpoint moved aside, the new one not yet in place: [Note: interrupted overwrite]).
+KILL_BETWEEN_RENAMES_ENV = "MIXPREC_CHECKPOINT_TEST_KILL_BETWEEN_RENAMES"
 
 
 def write_checkpoint(
@@ -114,9 +117,46 @@ def remove_stale_temporaries(parent: Path) -> list:
             continue
         pid = int(m["pid"])
         if pid == os.getpid() or not pid_alive(pid):
+            if m["kind"] == "old" and restore_moved_aside(parent / m["target"]) is not None:
+                continue  # it was the only copy: put back, not removed
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+# [Note: interrupted overwrite] Overwriting a checkpoint renames the existing one aside
+# (``.<name>.old-<host>-<pid>-<id>``) and then the new one into place. A crash between the two
+# renames leaves no ``<name>`` at all: the previous checkpoint is whole, only hidden. When
+# ``<name>`` is missing and a complete ``.old-`` of a dead process of this host (or of this
+# process) is there, it is renamed back (the newest, if several): ``load_state``, the listing
+# of automatic checkpoints and the next save all do this first. The new checkpoint, whose
+# save did not return, stays a temporary and is removed as one.
+def restore_moved_aside(target: Path) -> Optional[Path]:
+    """Rename the checkpoint an interrupted overwrite left aside back to ``target``
+    ([Note: interrupted overwrite]); returns ``target`` when it did, else None."""
+    target = Path(target)
+    parent = target.parent
+    if target.exists() or not parent.is_dir():
+        return None
+    host, candidates = _host(), []
+    for entry in parent.iterdir():
+        m = _TEMP.match(entry.name)
+        if (m is None or m["kind"] != "old" or m["target"] != target.name or m["host"] != host
+                or not entry.is_dir() or entry.is_symlink() or not (entry / fmt.COMPLETE).is_file()):
+            continue
+        pid = int(m["pid"])
+        if pid == os.getpid() or not pid_alive(pid):
+            candidates.append((entry.stat().st_mtime, entry))
+    for _, entry in sorted(candidates, reverse=True):
+        try:
+            os.rename(entry, target)
+        except OSError:  # another rank put it back first, or it is gone
+            if target.exists():
+                return target
+            continue
+        fmt.fsync_path(parent)
+        return target
+    return None
 
 
 def _run(fn):
@@ -133,10 +173,44 @@ def _first_error(reports: list) -> Optional[str]:
     return None
 
 
-def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects: Optional[dict]) -> dict:
-    mine = [s for s in shards if not s.replicated or state.rank == 0]
-    for s in mine:
+# [Note: replicated shares] A tensor every rank holds (ddp, and the buffers/frozen
+# parameters of the ZeRO engines) is written once, but not all by rank 0: every rank works
+# out the same split from the same list (deterministic: names, sizes and order agree on
+# every rank, and _complete refuses a table with a hole or overlap if they do not), so each
+# rank writes and checksums about 1/world of the replicated bytes. Tensors of at least
+# _SPLIT_BYTES are cut into world contiguous ranges; smaller ones go whole to the rank that
+# has the fewest bytes so far.
+_SPLIT_BYTES = 1 << 20
+
+
+def my_share(shards: list, rank: int, world: int) -> list:
+    """The shards this rank writes ([Note: replicated shares])."""
+    for s in shards:
         s.check()
+    if world == 1:
+        return list(shards)
+    load = [0] * world
+    mine = []
+    for s in shards:
+        if not s.replicated:
+            mine.append(s)
+            continue
+        nbytes = s.numel * s.tensor.element_size()
+        if nbytes >= _SPLIT_BYTES and s.numel >= world:
+            lo, hi = s.numel * rank // world, s.numel * (rank + 1) // world
+            for r in range(world):
+                load[r] += (s.numel * (r + 1) // world - s.numel * r // world) * s.tensor.element_size()
+            mine.append(fmt.Shard(s.name, s.shape, s.dtype, lo, s.tensor.narrow(0, lo, hi - lo), False))
+            continue
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += nbytes
+        if owner == rank:
+            mine.append(s)
+    return mine
+
+
+def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects: Optional[dict]) -> dict:
+    mine = my_share(shards, state.rank, state.world_size)
     entries = [(f"{s.name}@{s.offset}", (s.numel,), s.dtype) for s in mine]
     kill = os.environ.get(KILL_ENV) == str(state.rank)
 
@@ -148,7 +222,8 @@ def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects:
     files = {}
     name = fmt.tensor_file(state.rank)
     with open(tmp / name, "wb") as f:
-        files[name] = write_safetensors_synced(f, entries, produce)
+        record = write_safetensors_synced(f, entries, produce)
+    files[name] = {"bytes": record["bytes"], "header": record["header"]}
     if kill:  # a rank holding no tensors of its own dies after its (empty) tensor file
         os.kill(os.getpid(), signal.SIGKILL)
     files[fmt.rank_file(state.rank)] = _write_blob(tmp / fmt.rank_file(state.rank), rank_state)
@@ -156,17 +231,17 @@ def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects:
         files[fmt.OBJECTS] = _write_blob(tmp / fmt.OBJECTS, objects)
     slices = [
         {"name": s.name, "shape": list(s.shape), "dtype": fmt.dtype_to_str(s.dtype), "offset": s.offset,
-         "numel": s.numel, "replicated": s.replicated, "key": key, "file": name}
-        for s, (key, _, _) in zip(mine, entries)
+         "numel": s.numel, "replicated": s.replicated, "key": key, "file": name, **where}
+        for s, (key, _, _), where in zip(mine, entries, record["entries"])
     ]
     return {"files": files, "slices": slices}
 
 
 def write_safetensors_synced(f, entries, produce) -> dict:
-    digest = fmt.write_safetensors(f, entries, produce)
+    record = fmt.write_safetensors(f, entries, produce)
     f.flush()
     os.fsync(f.fileno())
-    return {"sha256": digest, "bytes": f.tell()}
+    return record
 
 
 def _write_blob(path: Path, obj) -> dict:
@@ -177,7 +252,7 @@ def _write_blob(path: Path, obj) -> dict:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return {fmt.CHECKSUM: fmt.checksum_bytes(data), "bytes": len(data)}
 
 
 def _complete(tmp: Path, target: Path, reports: list, meta: dict) -> dict:
@@ -192,7 +267,7 @@ def _complete(tmp: Path, target: Path, reports: list, meta: dict) -> dict:
                     f"tensor {s['name']!r}: ranks disagree on its global shape/dtype "
                     f"({entry['shape']} {entry['dtype']} vs {s['shape']} {s['dtype']})"
                 )
-            entry["shards"].append({k: s[k] for k in ("file", "key", "offset", "numel")})
+            entry["shards"].append({k: s[k] for k in ("file", "key", "offset", "numel", "start", fmt.CHECKSUM)})
     for name, entry in tensors.items():
         check_coverage(name, entry)
     metadata = {**meta, "format_version": fmt.FORMAT_VERSION, "tensors": tensors, "files": files}
@@ -210,6 +285,9 @@ def _complete(tmp: Path, target: Path, reports: list, meta: dict) -> dict:
     if target.exists():
         old = target.parent / _temp_name(target.name, "old")
         os.rename(target, old)
+        if os.environ.get(KILL_BETWEEN_RENAMES_ENV) == "1":
+            fmt.fsync_path(target.parent)
+            os.kill(os.getpid(), signal.SIGKILL)
     os.rename(tmp, target)
     fmt.fsync_path(target.parent)
     if old is not None:

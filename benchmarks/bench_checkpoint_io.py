@@ -156,6 +156,7 @@ def _rank_main(state, args: dict):
     built = {n: _build(n, args["layers"], args["width"], world) for n in names}
     root = Path(args["root"])
     times = {n: {"save": [], "load_warm": [], "load_cold": []} for n in names}
+    first = {}
     for r in range(args["rounds"] + 1):  # round 0 warms up (first loads of a process)
         for n in names if r % 2 == 0 else names[::-1]:
             save, load = built[n]
@@ -173,10 +174,13 @@ def _rank_main(state, args: dict):
                 times[n]["save"].append(t_save)
                 times[n]["load_warm"].append(t_warm)
                 times[n]["load_cold"].append(t_cold)
+            else:  # the first save and loads of the process, reported apart
+                first[n] = {"save": t_save, "load_warm": t_warm, "load_cold": t_cold}
             gc.collect()
     if rank != 0:
         return None
-    return {n: {k: statistics.median(v) for k, v in t.items()} | {"samples": t} for n, t in times.items()}
+    return {n: {k: statistics.median(v) for k, v in t.items()} | {"samples": t, "first": first[n]}
+            for n, t in times.items()}
 
 
 def dd_figures(root: Path, nbytes: int) -> dict:
@@ -225,6 +229,9 @@ def report(res: dict) -> None:
         if peer:
             line += "   " + " ".join(f"{t[k] / peer[k]:5.2f}" for k in ("save", "load_warm", "load_cold"))
         print(line)
+    print("first save / warm load / cold load of each process (round 0, not in the medians): "
+          + "; ".join(f"{n} {t['first']['save']:.2f}/{t['first']['load_warm']:.2f}/{t['first']['load_cold']:.2f} s"
+                      for n, t in res["contenders"].items()))
 
 
 def main() -> None:

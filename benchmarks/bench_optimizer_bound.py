@@ -34,6 +34,8 @@ faults are a cost both sides share).
 
     python benchmarks/bench_optimizer_bound.py              # ~1 min
     python benchmarks/bench_optimizer_bound.py --quick      # smoke run
+    python benchmarks/bench_optimizer_bound.py --dim 2048 --layers 3 --precision fp16
+    MIXPREC_CPU_CAPABILITY=avx2 python benchmarks/bench_optimizer_bound.py   # an AVX2 machine's kernels
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import os
 import platform
 import sys
 from pathlib import Path
@@ -80,12 +83,13 @@ def batches(rounds: int, steps: int, batch: int, dim: int, seed: int) -> list[li
              for _ in range(steps)] for _ in range(rounds)]
 
 
-def plain_step(model: nn.Module, guard: bool):
+def plain_step(model: nn.Module, guard: bool, precision: str = "bf16"):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     scaler = torch.amp.GradScaler("cpu", enabled=guard)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
 
     def step(x, y):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=dtype):
             out = model(x)
         loss = nn.functional.mse_loss(out.float(), y)
         scaler.scale(loss).backward()
@@ -98,8 +102,9 @@ def plain_step(model: nn.Module, guard: bool):
     return step
 
 
-def mixprec_step(model: nn.Module, clip_in_step: bool = True, cache_weight_casts: bool = True):
-    acc = mixprec.Accelerator(mixed_precision="bf16", cpu=True, log_policy=False, clip_in_step=clip_in_step,
+def mixprec_step(model: nn.Module, clip_in_step: bool = True, cache_weight_casts: bool = True,
+                 precision: str = "bf16"):
+    acc = mixprec.Accelerator(mixed_precision=precision, cpu=True, log_policy=False, clip_in_step=clip_in_step,
                               cache_weight_casts=cache_weight_casts)
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01))
 
@@ -114,29 +119,31 @@ def mixprec_step(model: nn.Module, clip_in_step: bool = True, cache_weight_casts
 
 
 def measure(*, dim: int = 1024, layers: int = 4, batch: int = 2, steps: int = 4, rounds: int = 9,
-            tune: bool = True) -> dict:
+            tune: bool = True, precision: str = "bf16") -> dict:
     """The five contenders, alternated. ``tune``: tune glibc malloc first (process-wide and
     for good: benchmarks/run_all.py runs this last)."""
     tuned = tune_malloc() if tune else False
     base = wide_mlp(dim, layers)
     contenders = {
-        "plain": plain_step(copy.deepcopy(base), guard=True),
-        "plain_noguard": plain_step(copy.deepcopy(base), guard=False),
-        "mixprec": mixprec_step(copy.deepcopy(base)),
-        "mixprec_inplace": mixprec_step(copy.deepcopy(base), clip_in_step=False),
-        "mixprec_nocache": mixprec_step(copy.deepcopy(base), cache_weight_casts=False),
+        "plain": plain_step(copy.deepcopy(base), guard=True, precision=precision),
+        "plain_noguard": plain_step(copy.deepcopy(base), guard=False, precision=precision),
+        "mixprec": mixprec_step(copy.deepcopy(base), precision=precision),
+        "mixprec_inplace": mixprec_step(copy.deepcopy(base), clip_in_step=False, precision=precision),
+        "mixprec_nocache": mixprec_step(copy.deepcopy(base), cache_weight_casts=False, precision=precision),
     }
     data = batches(rounds + 1, steps, batch, dim, seed=0)
     times, losses = alternate(contenders, data[1:], data[0][:2])
     return {"params": n_params(base), "dim": dim, "layers": layers, "batch": batch, "steps": steps,
-            "rounds": rounds, "threads": torch.get_num_threads(), "malloc_tuned": tuned,
+            "rounds": rounds, "threads": torch.get_num_threads(), "malloc_tuned": tuned, "precision": precision,
+            "cpu_capability": os.environ.get("MIXPREC_CPU_CAPABILITY", "best the CPU has"),
             "contenders": {k: stats(v) for k, v in times.items()}, "losses": losses}
 
 
 def report(res: dict) -> None:
     med = {k: v["median"] for k, v in res["contenders"].items()}
     print(f"\nwide MLP d={res['dim']} x {res['layers']} blocks, {res['params'] / 1e6:.1f}M fp32 params, "
-          f"batch {res['batch']}, bf16 autocast, AdamW + clip_grad_norm_; "
+          f"batch {res['batch']}, {res.get('precision', 'bf16')} autocast, AdamW + clip_grad_norm_, "
+          f"kernels: {res.get('cpu_capability', 'best the CPU has')}; "
           f"{res['rounds']} rounds x {res['steps']} steps, {res['threads']} threads, "
           f"malloc {'tuned (all contenders)' if res['malloc_tuned'] else 'glibc defaults'}")
     for name, st in res["contenders"].items():
@@ -162,6 +169,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="small model, few rounds (smoke test)")
     ap.add_argument("--no-tune-malloc", action="store_true", help="leave glibc malloc at its defaults")
+    ap.add_argument("--precision", choices=["bf16", "fp16"], default="bf16",
+                    help="autocast dtype (fp16: GradScaler for plain, mixprec's scaler)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,7 +179,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, mixprec {mixprec.__version__} ({mixprec.build_info()}), "
           f"threads {torch.get_num_threads()}, {platform.machine()}")
     report(measure(dim=args.dim, layers=args.layers, batch=args.batch, steps=args.steps, rounds=args.rounds,
-                   tune=not args.no_tune_malloc))
+                   tune=not args.no_tune_malloc, precision=args.precision))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ host-born tensors told apart from device ones. Each backend (ddp, zero1, zero2, 
 runs the tiny Llama of the model matrix under TP=2 and under SP=2 (2 processes) through
 prepare (TP's random-state sync, the structure check, the replica checks), two optimizer
 steps of two accumulated micro-batches with a clip that engages, ``gather_for_metrics`` (of
-the model's predictions and of a host tensor a user made), ``reduce``, ``save_state`` /
-``load_state`` and ``get_state_dict``; a TP=2 x SP=2 pass on 4 processes runs zero3.
+the model's predictions and of a host tensor a user made), ``reduce``, ``pad_across_processes``
+of a host tensor, ``wait_for_everyone``, ``gathered_parameters(modifier_rank=0)`` (zero3/fsdp
+without TP), ``save_state`` / ``load_state`` and ``get_state_dict``; a TP=2 x SP=2 pass on 4 processes runs zero3.
 """
 
 import pytest
@@ -49,6 +50,11 @@ def _case(backend: str, tp: int, sp: int, save_dir: str) -> dict:
         preds = acc.gather_for_metrics(out.logits.argmax(-1))
         host = acc.gather(torch.tensor([acc.process_index, 7]))  # a host tensor a user made
         mean = acc.reduce(out.loss.detach(), "mean")
+        padded = acc.pad_across_processes(torch.ones(acc.process_index + 1, 2), dim=0)  # host, uneven
+        acc.wait_for_everyone()
+        if backend in ("zero3", "fsdp") and tp == 1:
+            with acc.gathered_parameters(model, modifier_rank=0):  # rank 0's edits broadcast on exit
+                pass
         acc.save_state(save_dir)
         acc.load_state(save_dir)
         state = acc.get_state_dict(model)
@@ -56,7 +62,7 @@ def _case(backend: str, tp: int, sp: int, save_dir: str) -> dict:
     return {"violations": check.report(), "sites": sorted({c.site for c in check.calls}),
             "count": len(check.calls), "norms": norms, "preds": tuple(preds.shape),
             "host": host.tolist(), "host_device": str(host.device), "mean": float(mean),
-            "keys": len(state)}
+            "keys": len(state), "padded": tuple(padded.shape)}
 
 
 def _cases(state, cases, tmp):
@@ -76,6 +82,7 @@ def _check(results, world):
         assert got["host"] == [v for r in range(world) for v in (r, 7)], (case, got["host"])
         assert got["host_device"] == "cpu"  # back where the user's tensor was
         assert got["keys"] > 0
+        assert got["padded"] == (world, 2)
         backend, tp, sp = case
         if tp > 1:  # the TP random-state sync ran under the check (the old one broadcast a host tensor)
             assert any("_sync_rng" in s for s in got["sites"]), got["sites"]

@@ -13,9 +13,12 @@ module sits between the engine and the checkpoint:
   placed at its index in the whole tensor, and written as the runs of consecutive full-tensor
   indices (a column split is one run per sub-parameter; a row split merges whole rows into
   one run, so a shard becomes at most a few runs); the other TP ranks write nothing for it.
-  Names, dtypes and the ``replicated`` flag are the engine's: a ddp checkpoint's split
-  weights are written once (by rank 0), zero1/2's optimizer slices by each DP group's TP
-  rank 0.
+  Names and dtypes are the engine's. A whole split tensor is held by TP rank 0 only, so it
+  is never ``replicated`` (that flag says every rank holds the tensor, and the writer shares
+  such tensors out among all ranks: [Note: replicated shares] in checkpoint/writer.py): what
+  the engine holds the same on every data-parallel rank (a ddp checkpoint's split weights)
+  is written by global rank 0 (TP rank 0 of the first data-parallel group), what it slices
+  over them (zero1/2's optimizer state) by each DP group's TP rank 0.
 - loading (``load_state_shards``): the engine asks for ranges of its slices; each is read
   from the whole tensor as the block of full rows (or outer rows, for a split of an inner
   dimension) that covers it, and cut down to the slice.
@@ -129,8 +132,8 @@ def whole_shards(shards: list, infos: dict[str, SplitInfo], tp: Optional[TPGroup
         flat = s.tensor.reshape(-1).contiguous()
         parts = [torch.empty_like(flat) for _ in range(tp.size)]
         dist.all_gather(parts, flat, group=tp.group)
-        if tp.rank != 0:
-            continue
+        if tp.rank != 0 or (s.replicated and dist.get_rank() != 0):
+            continue  # [Note: TP checkpoints]: one writer per element
         index = torch.cat([info.full_indices(r, s.offset, flat.numel()) for r in range(tp.size)])
         values = torch.cat([p.cpu() for p in parts])
         order = torch.argsort(index)
@@ -138,7 +141,7 @@ def whole_shards(shards: list, infos: dict[str, SplitInfo], tp: Optional[TPGroup
         breaks = (torch.nonzero(index[1:] - index[:-1] != 1).reshape(-1) + 1).tolist()
         for start, end in zip([0] + breaks, breaks + [index.numel()]):
             out.append(Shard(s.name, info.full_shape, s.dtype, int(index[start]), values[start:end].clone(),
-                             s.replicated))
+                             False))
     return out
 
 

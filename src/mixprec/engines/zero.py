@@ -111,6 +111,7 @@ class ShardedComm(GroupComm):
         self.elementwise_optimizer = elementwise_optimizer  # accept unknown optimizers
         self.cores: dict[int, list[_C.ShardedCore]] = {}  # id(model) -> its cores (zero3: one per unit)
         self.sharded_ids: frozenset[int] = frozenset()  # id() of every parameter a core shards
+        self._clip_checked: Optional[tuple] = None  # the parameter tuple last found to be sharded_ids
         self.sharded_optimizers: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its cores, segments
         self._found_inf_agreed = False  # found_inf already all-reduced this step
         self._folded = False  # fold() ran since the last backward / step
@@ -144,6 +145,7 @@ class ShardedComm(GroupComm):
             # a backward went through the model, counted over all of its cores.
             core.share_backward_count(self.cores[id(model)][0])
         self.sharded_ids = self.sharded_ids | {id(p) for c in self.cores[id(model)] for p in c.params}
+        self._clip_checked = None
         self._install_units(model, cores)
 
     def model_ready(self, model: nn.Module, ctx: "ForwardContext") -> None:
@@ -326,8 +328,12 @@ class ShardedComm(GroupComm):
                 if s.master.grad is not None]
 
     def clip_grads(self, parameters: Iterable[torch.Tensor], *, whole: bool) -> list[torch.Tensor]:
-        if whole:
+        # A prepared model's cached parameter tuple ([Note: the clip shares the step plan] in
+        # engines/clip_sources.py) is the same object while valid: checked once.
+        if whole and not (isinstance(parameters, tuple) and self._clip_checked is parameters):
             given = {id(p) for p in parameters if p.requires_grad}
+            if given == self.sharded_ids and isinstance(parameters, tuple):
+                self._clip_checked = parameters
             if given != self.sharded_ids:
                 raise ValueError(
                     f"{self.backend} computes the gradient norm over every sharded parameter; got "

@@ -108,9 +108,7 @@ void init_step(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "Some param holds a gradient but no optimizer state (SGD: momentum buffer) yet.")
       .def("grads", &engines::OptimizerPlan::grads, py::call_guard<py::gil_scoped_release>(),
-           "The defined gradients of the planned params, in plan order.")
-      .def("forget_grads", &engines::OptimizerPlan::forget_grads, py::call_guard<py::gil_scoped_release>(),
-           "zero_grad(set_to_none=True) over the planned params.");
+           "The defined gradients of the planned params, in plan order.");
 
   m.def(
       "fused_step",

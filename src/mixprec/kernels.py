@@ -438,16 +438,6 @@ def step_plan(optimizer: torch.optim.Optimizer,
     return planned.plan
 
 
-def forget_grads(optimizer: torch.optim.Optimizer) -> bool:
-    """``optimizer.zero_grad(set_to_none=True)`` in one call over its plan's params (O(param
-    groups) in Python); False, nothing done, when it has no current plan."""
-    planned = _planned(optimizer)
-    if planned is None or planned.plan is None:
-        return False
-    planned.plan.forget_grads()
-    return True
-
-
 def plans_l2_norm(plans: Sequence[_C.OptimizerPlan], found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
     """:func:`l2_norm` over the gradients the step ``plans`` hold (one C++ call; None when
     none holds a gradient)."""

@@ -18,12 +18,9 @@ from harness import run_distributed
 # then 3/6, 4/7, 8/11, 10/13 with the sync-free step; now the clip is applied inside the
 # update ([Note: clip inside the update] in engines/base.py), optimizer.step() is one call
 # ([Note: one call per step] in csrc/engines/step/fused_step.h) and the sharded engines
-# wait for all their reductions in one call (finish_reductions). The step plan ([Note: the
-# step plan] in src/mixprec/kernels.py) adds one on purpose: zero_grad(set_to_none) is one
-# call over the plan's params instead of a Python loop over them (single 2 -> 3 in bf16,
-# zero3/fsdp 8 -> 9), and the state check that was a call before the step is gone.
-MAX_CROSSINGS = {"single": (3, 4), "ddp": (3, 4), "zero1": (5, 6), "zero2": (5, 6),
-                 "zero3": (9, 10), "fsdp": (9, 10)}
+# wait for all their reductions in one call (finish_reductions).
+MAX_CROSSINGS = {"single": (2, 3), "ddp": (3, 4), "zero1": (5, 6), "zero2": (5, 6),
+                 "zero3": (8, 9), "fsdp": (8, 9)}
 
 
 def _count(state, backend, precisions):

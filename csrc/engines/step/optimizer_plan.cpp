@@ -129,14 +129,4 @@ kernels::TensorVec OptimizerPlan::grads() const {
   return out;
 }
 
-void OptimizerPlan::forget_grads() const {
-  for (const auto& b : buckets_) {
-    for (const auto& p : b.params) {
-      // const_cast: the plan's handles share the params' TensorImpl; resetting the grad is
-      // what `p.grad = None` does.
-      const_cast<at::Tensor&>(p).mutable_grad().reset();
-    }
-  }
-}
-
 }  // namespace mixprec::engines

@@ -57,8 +57,6 @@ class OptimizerPlan {
   // The defined gradients of the planned params, in plan order.
   kernels::TensorVec grads() const;
 
-  // zero_grad(set_to_none=True) over the planned params.
-  void forget_grads() const;
 
  private:
   bool adam_;

@@ -627,11 +627,7 @@ class Engine:
         self.comm.publish(optimizer, True)
 
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
-        # torch's zero_grad(set_to_none=True) is `p.grad = None` per param: the step plan
-        # does it in one call ([Note: the step plan] in kernels.py).
-        if not (set_to_none and type(state.optimizer) in kernels.FUSED_TYPES
-                and kernels.forget_grads(state.optimizer)):
-            state.optimizer.zero_grad(set_to_none=set_to_none)
+        state.optimizer.zero_grad(set_to_none=set_to_none)
         state.forget_grads()
         self.precision.drop_lowp_grads(state.optimizer)
         self.comm.zero_grad(state.optimizer, set_to_none)

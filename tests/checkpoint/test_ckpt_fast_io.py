@@ -66,8 +66,15 @@ def test_replicated_tensors_are_written_by_every_rank_and_read_back_exactly(tmp_
     # a range across the two ranks' slices of the split tensor
     flat = tensors["big"].reshape(-1)
     assert torch.equal(reader("model/big", 349_990, 20), flat[349_990:350_010])
+    for rank in range(2):  # as load_state reads: its share kept, the rest read on demand
+        shared = CheckpointReader(ck, share=(rank, 2))
+        assert torch.equal(shared("model/big", 349_990, 20), flat[349_990:350_010])
+        for n, t in tensors.items():
+            got = shared("model/" + n, 0, t.numel()).reshape(t.shape)
+            assert got.dtype == t.dtype and torch.equal(got, t), (rank, n)
+        shared.release()
     meta = json.loads((ck / METADATA).read_text())
-    assert len(meta["tensors"]["model/big"]["shards"]) == 2
+    assert len(meta["tensors"]["model/big"]["shards"]) == 2 and meta["tensors"]["model/big"]["replicated"]
     for sh in meta["tensors"]["model/big"]["shards"]:
         assert fmt.checksum_in(sh)[0] == fmt.CHECKSUM and isinstance(sh["start"], int)
 

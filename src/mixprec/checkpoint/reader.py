@@ -85,6 +85,7 @@ class CheckpointReader:
         self.path = Path(path)
         self._fds: dict = {}
         self._kept: dict = {}  # (file, start) -> a verified slice read by the constructor
+        self._whole: dict = {}  # replicated tensor name -> [its buffer, starts of the slices in it]
         self._headers_ok: set = set()
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {str(self.path)!r} does not exist; check the path")
@@ -146,6 +147,7 @@ class CheckpointReader:
     def release(self) -> None:
         """Drop the kept slices and close the files (the reader stays usable)."""
         self._kept.clear()
+        self._whole.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -248,6 +250,14 @@ class CheckpointReader:
         """Verify a tensor file's header and every slice in it; ``keep`` the slices read."""
         self._verify_header(file)
         for name, sh in self._slices_of.get(file, []):
+            entry = self.metadata["tensors"][name]
+            if keep and entry.get("replicated") is True and len(entry["shards"]) > 1:
+                # written in shares but loaded whole: read into the whole tensor's buffer
+                buf, done = self._whole.setdefault(name, [torch.empty(fmt.numel_of(entry["shape"]),
+                                                                      dtype=self.index[name][1]), set()])
+                self._read_slice(name, sh, buf[sh["offset"]: sh["offset"] + sh["numel"]])
+                done.add((file, sh["start"]))
+                continue
             t = self._read_slice(name, sh)
             if keep:
                 self._kept[(file, sh["start"])] = t
@@ -376,6 +386,16 @@ class CheckpointReader:
             raise ValueError(f"{name!r}: range [{offset}, {offset + numel}) outside its {total} elements")
         end = offset + numel
         shards = self.metadata["tensors"][name]["shards"]
+        if name in self._whole:
+            buf, done = self._whole[name]
+            for sh in shards:
+                if (sh["file"], sh["start"]) not in done:
+                    self._read_slice(name, sh, buf[sh["offset"]: sh["offset"] + sh["numel"]])
+                    done.add((sh["file"], sh["start"]))
+            if offset == 0 and numel == total:
+                del self._whole[name]
+                return buf
+            return buf[offset:end].clone()
         exact = [s for s in shards if s["offset"] == offset and s["numel"] == numel and numel]
         if exact and self._is_sliced(exact[0]["file"]):
             return self._read_slice(name, exact[0])  # the common case: one whole slice, no copy

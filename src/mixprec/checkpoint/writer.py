@@ -211,6 +211,7 @@ def my_share(shards: list, rank: int, world: int) -> list:
 
 def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects: Optional[dict]) -> dict:
     mine = my_share(shards, state.rank, state.world_size)
+    whole = {s.name for s in shards if s.replicated}  # every rank loads these whole
     entries = [(f"{s.name}@{s.offset}", (s.numel,), s.dtype) for s in mine]
     kill = os.environ.get(KILL_ENV) == str(state.rank)
 
@@ -231,7 +232,7 @@ def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects:
         files[fmt.OBJECTS] = _write_blob(tmp / fmt.OBJECTS, objects)
     slices = [
         {"name": s.name, "shape": list(s.shape), "dtype": fmt.dtype_to_str(s.dtype), "offset": s.offset,
-         "numel": s.numel, "replicated": s.replicated, "key": key, "file": name, **where}
+         "numel": s.numel, "replicated": s.name in whole, "key": key, "file": name, **where}
         for s, (key, _, _), where in zip(mine, entries, record["entries"])
     ]
     return {"files": files, "slices": slices}
@@ -268,6 +269,8 @@ def _complete(tmp: Path, target: Path, reports: list, meta: dict) -> dict:
                     f"({entry['shape']} {entry['dtype']} vs {s['shape']} {s['dtype']})"
                 )
             entry["shards"].append({k: s[k] for k in ("file", "key", "offset", "numel", "start", fmt.CHECKSUM)})
+            if s["replicated"]:  # the reader assembles it in one buffer ([Note: verified shares])
+                entry["replicated"] = True
     for name, entry in tensors.items():
         check_coverage(name, entry)
     metadata = {**meta, "format_version": fmt.FORMAT_VERSION, "tensors": tensors, "files": files}

@@ -16,7 +16,10 @@ in its constructor the header and every slice of the tensor files ``k`` with
 loads), keeping the slices it read; ``load_state`` agrees on every rank's verdict before
 anything changes, so every byte of the checkpoint was checked by some rank before any
 rank loads. A later read returns those kept slices (without copying when it asks for whole
-slices) and reads and verifies any other slice it needs on the spot. Without ``share`` the
+slices) and reads and verifies any other slice it needs on the spot. A tensor marked
+``replicated`` (every rank held it whole and wrote a share: writer.py, [Note: replicated
+shares]) is loaded whole, so its share is read straight into a buffer for the whole
+tensor, which the later read completes and returns. Without ``share`` the
 constructor checks every byte (as ``mixprec consolidate`` and a bare reader need). The
 small files (``objects.pt``, ``rank*.pt``) are checked whenever they are loaded. Old
 checkpoints, with one sha256 per whole file, are checked whole as before.

@@ -33,6 +33,17 @@ import _accelerate_folder_run as R  # noqa: E402 (tests/ is on sys.path: tests/c
 RUN = Path(R.__file__)
 
 
+@pytest.fixture(autouse=True)
+def _release_accelerators():
+    """A zero2 Accelerator in this process makes a one-process group: end it after each
+    test, or a later test in the same worker finds the default group taken."""
+    yield
+    from mixprec import registry
+
+    for acc in registry.running():
+        acc.end_training()
+
+
 @pytest.fixture(scope="module")
 def accelerate_run(tmp_path_factory):
     """(folder written by Accelerate's save_state, Accelerate's own records of the runs)."""

@@ -17,3 +17,26 @@ def pytest_collection_modifyitems(config, items):
     for i, item in enumerate(items):
         first_seen.setdefault(item.path, i)
     items.sort(key=lambda item: (-slow[item.path], first_seen[item.path]))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_outlives_its_file():
+    """A test file that leaves this pytest process's default process group initialised (an
+    in-process Accelerator on a backend that makes a one-process group, never ended) must
+    not decide the outcome of the next file in the same xdist worker: at the end of each
+    file, running Accelerators are ended and a leftover default group is destroyed."""
+    yield
+    import torch.distributed as dist
+
+    from mixprec import registry
+
+    for acc in registry.running():
+        try:
+            acc.end_training()
+        except Exception:  # noqa: BLE001 - a half-built test Accelerator: the group below still goes
+            pass
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -104,9 +104,6 @@ void init_step(py::module_& m) {
            py::arg("adam"), py::arg("buckets"))
       .def_property_readonly("adam", &engines::OptimizerPlan::adam)
       .def_property_readonly("num_params", &engines::OptimizerPlan::num_params)
-      .def("creates_state", &engines::OptimizerPlan::creates_state, py::arg("sgd_momentum"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Some param holds a gradient but no optimizer state (SGD: momentum buffer) yet.")
       .def("grads", &engines::OptimizerPlan::grads, py::call_guard<py::gil_scoped_release>(),
            "The defined gradients of the planned params, in plan order.");
 

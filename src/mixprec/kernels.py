@@ -450,26 +450,6 @@ def _options(optimizer) -> list:
     return [_adam_options(optimizer, g) for g in optimizer.param_groups]
 
 
-def creates_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Some param with a gradient has no optimizer state (or SGD momentum buffer) yet."""
-    plan = step_plan(optimizer)
-    if plan is not None:
-        return plan.creates_state([float(g.get("momentum", 0.0)) for g in optimizer.param_groups])
-    state = optimizer.state
-    sgd = type(optimizer) is torch.optim.SGD
-    if not sgd and len(state) >= sum(len(g["params"]) for g in optimizer.param_groups):
-        return False  # Adam/AdamW fill a param's state in the step that creates it
-    for group in optimizer.param_groups:
-        if sgd and float(group["momentum"]) == 0:
-            continue
-        for p in group["params"]:
-            if p.grad is not None:
-                st = state.get(p)
-                if not st or (sgd and st.get("momentum_buffer") is None):
-                    return True
-    return False
-
-
 def _on(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
     # A view when already fp32 on that device: the kernel must read (and for found_inf,
     # see) the engine's own flag, not a copy.
@@ -495,7 +475,7 @@ def fused_optimizer_step(
     the update when given. When ``found_inf`` is nonzero the kernels skip the step
     entirely (state, step counters and params untouched), decided on the device:
     nothing here reads ``found_inf`` ([Note: device step counters]), except on a
-    step that creates optimizer state (see ``creates_state``). ``finish``: the rest
+    step that creates optimizer state (the plan reports it, [Note: the step plan]). ``finish``: the rest
     of the step that runs in the same call (``check``, ``check_inv_scale``,
     ``agree_group``, ``gather``, ``scaler``, ``keep_found_inf``, ``keep_scale``; see
     [Note: one call per step] in csrc/engines/step/fused_step.h): one crossing into

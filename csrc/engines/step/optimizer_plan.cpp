@@ -107,16 +107,6 @@ PlanStatus OptimizerPlan::collect(const std::vector<kernels::AdamOptions>& adam_
   return PlanStatus::kReady;
 }
 
-bool OptimizerPlan::creates_state(const std::vector<double>& sgd_momentum) const {
-  for (const auto& b : buckets_) {
-    if (!adam_ && (static_cast<size_t>(b.group) >= sgd_momentum.size() || sgd_momentum[b.group] == 0.0)) continue;
-    for (size_t i = 0; i < b.params.size(); ++i) {
-      if (!b.state1[i].defined() && b.params[i].grad().defined()) return true;
-    }
-  }
-  return false;
-}
-
 kernels::TensorVec OptimizerPlan::grads() const {
   kernels::TensorVec out;
   out.reserve(num_params_);

@@ -51,9 +51,6 @@ class OptimizerPlan {
   PlanStatus collect(const std::vector<kernels::AdamOptions>& adam_options,
                      const std::vector<kernels::SgdOptions>& sgd_options, StepPlan& out) const;
 
-  // Some param holds a gradient but no optimizer state (SGD: with momentum, no buffer).
-  bool creates_state(const std::vector<double>& sgd_momentum) const;
-
   // The defined gradients of the planned params, in plan order.
   kernels::TensorVec grads() const;
 

@@ -20,6 +20,12 @@ Most of the step is the optimizer, and fp32 gradients are what most users train 
   passes torch makes): shows what the fused clip is worth on its own.
 - ``mixprec_nocache``: mixprec with ``cache_weight_casts=False`` (autocast casts the
   weights in every forward, as torch): shows what the weight copies are worth on their own.
+- ``mixprec_native_gemm`` (fp16 only): mixprec with config ``cpu_fp16_matmul: native``,
+  torch's own fp16 matmul kernels. By default (``auto``) mixprec runs fp16 matmuls on a
+  CPU without fp16 arithmetic as fp32 GEMMs of the fp16 inputs rounded to fp16 ([Note:
+  fp16 GEMMs on a CPU without fp16 arithmetic] in src/mixprec/wrappers/half_gemm.py); on
+  such a CPU torch's portable fp16 GEMM is most of the step, so this contender shows what
+  the optimizer side alone is worth there (``plain / mixprec_native_gemm``).
 
 Target (issue #14): plain / mixprec >= 1.25.
 
@@ -55,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import alternate, n_params, stats  # noqa: E402
 
 import mixprec  # noqa: E402
+import mixprec.wrappers.half_gemm  # noqa: E402
 
 TARGET = 1.25
 
@@ -103,9 +110,9 @@ def plain_step(model: nn.Module, guard: bool, precision: str = "bf16"):
 
 
 def mixprec_step(model: nn.Module, clip_in_step: bool = True, cache_weight_casts: bool = True,
-                 precision: str = "bf16"):
+                 precision: str = "bf16", fp16_matmul: str = "auto"):
     acc = mixprec.Accelerator(mixed_precision=precision, cpu=True, log_policy=False, clip_in_step=clip_in_step,
-                              cache_weight_casts=cache_weight_casts)
+                              cache_weight_casts=cache_weight_casts, config={"cpu_fp16_matmul": fp16_matmul})
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01))
 
     def step(x, y):
@@ -131,6 +138,9 @@ def measure(*, dim: int = 1024, layers: int = 4, batch: int = 2, steps: int = 4,
         "mixprec_inplace": mixprec_step(copy.deepcopy(base), clip_in_step=False, precision=precision),
         "mixprec_nocache": mixprec_step(copy.deepcopy(base), cache_weight_casts=False, precision=precision),
     }
+    if precision == "fp16":
+        contenders["mixprec_native_gemm"] = mixprec_step(copy.deepcopy(base), precision=precision,
+                                                         fp16_matmul="native")
     data = batches(rounds + 1, steps, batch, dim, seed=0)
     times, losses = alternate(contenders, data[1:], data[0][:2])
     return {"params": n_params(base), "dim": dim, "layers": layers, "batch": batch, "steps": steps,
@@ -154,6 +164,11 @@ def report(res: dict) -> None:
     print(f"  speed-up plain_noguard / mixprec   = {med['plain_noguard'] / med['mixprec']:.3f}")
     print(f"  mixprec_inplace / mixprec          = {med['mixprec_inplace'] / med['mixprec']:.3f}")
     print(f"  mixprec_nocache / mixprec          = {med['mixprec_nocache'] / med['mixprec']:.3f}")
+    if "mixprec_native_gemm" in med:
+        ratio = med["plain"] / med["mixprec_native_gemm"]
+        print(f"  speed-up plain / mixprec_native_gemm = {ratio:.3f}  (the optimizer side alone, torch's fp16 "
+              f"GEMMs in both: target >= {TARGET}: {'met' if ratio >= TARGET else 'MISSED'}; "
+              f"widened GEMMs {'on' if mixprec.wrappers.half_gemm.wanted('auto') else 'off'} by default here)")
     # Same batches, same start: the loss curves must agree (bf16 autocast: not bitwise).
     last = {k: v[-1] for k, v in res["losses"].items()}
     print("  last loss: " + ", ".join(f"{k} {v:.5f}" for k, v in last.items()))

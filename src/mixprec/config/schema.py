@@ -43,6 +43,7 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 Collective = Literal["auto", "reduce_scatter", "allreduce"]
 LossScaler = Literal["torch", "deepspeed"]
 NonFiniteGrads = Literal["skip", "raise"]
+CpuFp16Matmul = Literal["auto", "fp32", "native"]
 TPPresetModel = Literal["llama", "qwen2", "mixtral", "deepseek_v2", "gpt2"]
 TPPartitionType = Literal["column", "row", "skip"]
 
@@ -366,6 +367,13 @@ class MixprecConfig:
     per cached parameter. The copy is dropped from use whenever the weight is written
     outside the update (its version changes); a write through ``p.data`` is not seen, so
     loops that write weights that way set false. false: autocast casts every forward."""
+    cpu_fp16_matmul: CpuFp16Matmul = "auto"
+    """fp16 autocast on a CPU: how ``F.linear``/``matmul``/``mm``/``bmm`` run. ``auto``: where
+    the CPU has no fp16 arithmetic (no AVX512-FP16 or AMX-FP16: AMD, Intel before Sapphire
+    Rapids) as the fp32 GEMM of the fp16 inputs, rounded to fp16 once, as torch's portable
+    fp16 kernel computes them but 3-25x faster; torch's own kernels elsewhere. ``fp32``:
+    always so. ``native``: torch's kernels. The results differ from torch's only in the
+    order the fp32 sums are taken."""
     collective_timeout: Optional[float] = checked(
         30.0, lambda v: v is None or _positive(v), "null or a number > 0 (seconds)")
     """Collective desync detection: a rank inside one collective call (``gather``,

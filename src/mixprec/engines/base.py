@@ -22,6 +22,7 @@ from .. import cuda_arch, kernels
 from ..errors import NonFiniteGradientsError, UnscaledBackwardError
 from ..policy import PrecisionPolicy
 from ..step import DeviceScalars, StepResult, check_clip_limit
+from ..wrappers.half_gemm import wanted as half_gemm_wanted
 from ..wrappers.model import AutocastGate
 from .precision import Precision
 from .clip_sources import ClipSources, PlannedParameters, plans_of
@@ -108,6 +109,9 @@ class Engine:
         # forward's bf16/fp16 weights ([Note: the update writes the forward's weights] in
         # engines/weight_casts.py). Read by prepare_model.
         self.cache_weight_casts = True
+        # config cpu_fp16_matmul: fp16 matmuls on a CPU without fp16 arithmetic run as
+        # widened fp32 GEMMs (wrappers/half_gemm.py). Read by prepare_model.
+        self.cpu_fp16_matmul = "auto"
         self.precision = Precision(self.policy, device)  # [Note: precision layer] in precision.py
         self.comm.attach(self.precision)
         self.optimizers: dict[int, OptimizerState] = {}  # id(optimizer) -> state
@@ -176,7 +180,8 @@ class Engine:
         # The sharded backends step shards, not the model's weights: they keep autocast's casts.
         ctx = precision.install_forward(model, input_dtype, gate, fp32_modules, self.zero_model_grads,
                                         cache_casts=self.cache_weight_casts and self.fused_optimizer
-                                        and comm.replicated_state)
+                                        and comm.replicated_state,
+                                        half_gemm=half_gemm_wanted(self.cpu_fp16_matmul))
         comm.model_ready(model, ctx)
         self.clip_sources.add_model(model)
         return model

@@ -200,14 +200,18 @@ class Precision:
     def install_forward(self, model: nn.Module, input_dtype: Optional[torch.dtype],
                         gate: AutocastGate, fp32_modules: Sequence[nn.Module],
                         on_zero_grad: Callable[[nn.Module], None], *,
-                        cache_casts: bool = False) -> ForwardContext:
+                        cache_casts: bool = False, half_gemm: bool = False) -> ForwardContext:
         """Make the model's forward follow the policy (class swap, see wrappers/model.py):
         autocast, input casts, output dtype; fp32 modules run with autocast off.
         ``cache_casts``: the engine's fused update may write the forward's low-precision
         weights ([Note: the update writes the forward's weights] in weight_casts.py); used
-        when the policy keeps fp32 weights under a low-precision autocast."""
+        when the policy keeps fp32 weights under a low-precision autocast. ``half_gemm``:
+        fp16 matmuls on this CPU run as widened fp32 GEMMs ([Note: fp16 GEMMs on a CPU
+        without fp16 arithmetic] in wrappers/half_gemm.py)."""
         ctx = ForwardContext(self.policy, self.device.type, input_dtype, gate, on_zero_grad=on_zero_grad)
         policy = self.policy
+        ctx.half_gemm = (half_gemm and self.device.type == "cpu" and policy.autocast_enabled
+                         and policy.compute_dtype is torch.float16)
         if cache_casts and policy.autocast_enabled and policy.compute_dtype in LOW_PRECISION \
                 and policy.param_dtype in (None, torch.float32):
             casts = self.casts or WeightCasts(policy.compute_dtype, self.device.type)

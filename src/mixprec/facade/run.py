@@ -62,18 +62,21 @@ class EngineSpec:
     nonfinite_grads: str
     clip_in_step: bool
     cache_weight_casts: bool
+    cpu_fp16_matmul: str = "auto"
 
     def build(self, policy: PrecisionPolicy, device: Any) -> Engine:
         engine = Engine(policy, device, self.comm, fused_optimizer=self.fused_optimizer, **self.options)
         engine.set_nonfinite_policy(self.nonfinite_grads)
         engine.clip_in_step = self.clip_in_step
         engine.cache_weight_casts = self.cache_weight_casts
+        engine.cpu_fp16_matmul = self.cpu_fp16_matmul
         return engine
 
     def following(self, engine: Engine) -> "EngineSpec":
         """This spec with the settings ``engine`` has now (a loop may have changed them)."""
         return dataclasses.replace(self, nonfinite_grads=engine.nonfinite_grads, clip_in_step=engine.clip_in_step,
-                                   cache_weight_casts=engine.cache_weight_casts)
+                                   cache_weight_casts=engine.cache_weight_casts,
+                                   cpu_fp16_matmul=engine.cpu_fp16_matmul)
 
     def with_group(self, group: Any) -> "EngineSpec":
         """This spec over ``group`` (None: without one, as pickled)."""
@@ -129,7 +132,7 @@ def build_run(arguments: dict) -> Run:
         options["group"] = group if group is not None else dp_group
     cfg = config.config
     spec = EngineSpec(comm, cfg.fused_optimizer, options, cfg.nonfinite_grads, cfg.clip_in_step,
-                      cfg.cache_weight_casts)
+                      cfg.cache_weight_casts, cfg.cpu_fp16_matmul)
     try:
         engine = spec.build(policy, state.device)
     except BaseException:

@@ -28,6 +28,7 @@ from torch import nn
 from ..diagnostics.dtype_errors import explain_dtype_error
 from ..policy import PrecisionPolicy
 from ..utils import cast_floating, upcast_low_precision
+from .half_gemm import HalfGemmMode
 
 _SWAPPED: dict[tuple[type, type], type] = {}
 
@@ -97,6 +98,9 @@ class ForwardContext:
         # parameters] in engines/gathered.py); forward runs with subclass torch functions
         # off, so the guard's check costs nothing per op.
         self.plain_params = False
+        # fp16 autocast on a CPU without fp16 arithmetic: the matmuls run as widened fp32
+        # GEMMs ([Note: fp16 GEMMs on a CPU without fp16 arithmetic] in wrappers/half_gemm.py).
+        self.half_gemm = False
         # A context the whole forward runs in (sequence parallelism's Ulysses attention,
         # parallel/sequence/ulysses.py), entered inside the policy's autocast; None: none.
         self.around: Optional[Callable[[], Any]] = None
@@ -149,10 +153,11 @@ class ForwardContext:
         if casts is not None:
             casts.begin()
         try:
-            if open_autocast:
-                with torch.autocast(self.device_type, dtype=self.policy.compute_dtype):
-                    out = forward(*args, **kwargs)
-            else:
+            with contextlib.ExitStack() as stack:
+                if open_autocast:
+                    stack.enter_context(torch.autocast(self.device_type, dtype=self.policy.compute_dtype))
+                if self.half_gemm and not torch.compiler.is_compiling():
+                    stack.enter_context(HalfGemmMode())
                 out = forward(*args, **kwargs)
         except RuntimeError as error:
             if self.explain_error is not None:

@@ -1,0 +1,212 @@
+"""fp16 matmuls on a CPU without fp16 arithmetic, computed by the fp32 GEMM.
+
+[Note: fp16 GEMMs on a CPU without fp16 arithmetic]
+Under ``mixed_precision="fp16"`` on a CPU, autocast runs every ``F.linear`` / ``matmul`` /
+``mm`` / ``bmm`` in fp16. Where the CPU has fp16 arithmetic (AVX512-FP16, AMX-FP16) torch
+hands them to oneDNN; elsewhere (every AMD CPU so far, Intel before Sapphire Rapids, most
+laptops) it runs ATen's portable fp16 GEMM, which accumulates in fp32 and rounds the result
+to fp16 once, 10 to 25 times slower than the fp32 GEMM on the same shapes (a
+4096x1024 weight gradient from 512 rows: 538 ms against 21 ms on a 2-core AMD EPYC).
+
+Same numbers, from the fast GEMM: an fp16 value widens to fp32 exactly, so
+``round_fp16(fp32_gemm(widen(a), widen(b)))`` is the portable kernel's computation, with the
+fp32 sums taken in the BLAS's order instead of the portable loop's. That is the difference
+between any two fp32 GEMMs, and the result stays one fp16 rounding of an fp32 sum. The
+backward does the same for each gradient (``grad_a = round(widen(g) @ widen(b)^T)`` ...),
+so every tensor the graph holds and returns has the dtype autocast gives it: fp16
+activations, fp16 gradients of the casts, fp32 gradients of fp32 weights.
+
+How: the prepared model's forward runs inside :class:`HalfGemmMode`, a
+``TorchFunctionMode`` that sees the matmul family while autocast is on for the CPU with
+fp16. It casts the operands as autocast would (fp32 -> fp16, one cast per weight per forward,
+as autocast's cast cache), then calls :class:`_WidenedGemm`, which keeps the fp16 inputs
+for backward (no fp32 copy is saved). Anything else goes on unchanged: other ops, tensor
+subclasses, fp64 or non-CPU operands, products smaller than ``MIN_WORK`` multiply-adds (a
+Python autograd node costs more than the portable kernel there), and a forward that
+``torch.compile`` traces.
+
+Config ``cpu_fp16_matmul``: ``auto`` (on exactly when the CPU lacks fp16 arithmetic),
+``fp32`` (always), ``native`` (off: torch's own kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from typing import Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+MIN_WORK = 1 << 18  # multiply-adds below which the portable kernel is left to run
+
+_F16 = torch.float16
+_F32 = torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_fp16_arithmetic() -> bool:
+    """True when torch's CPU fp16 GEMM is oneDNN's (AVX512-FP16 or AMX-FP16 on x86), or the
+    machine is not x86 (ARM's fp16 paths are left to torch)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return True
+    if getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)():
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "avx512_fp16" in line.split()
+    except OSError:
+        pass
+    return False  # not Linux, x86: assume the portable kernel (the widened GEMM is right either way)
+
+
+def wanted(setting: str) -> bool:
+    """Whether config ``cpu_fp16_matmul`` = ``setting`` turns the widened GEMMs on here."""
+    if setting == "fp32":
+        return True
+    if setting == "native":
+        return False
+    if setting == "auto":
+        return not cpu_has_fp16_arithmetic()
+    raise ValueError(f"cpu_fp16_matmul={setting!r}: expected 'auto', 'fp32' or 'native'")
+
+
+def _round(t: torch.Tensor) -> torch.Tensor:
+    return t.to(_F16)
+
+
+class _WidenedGemm(torch.autograd.Function):
+    """``kind`` of fp16 ``a``, ``b`` (``bias``) computed as the fp32 GEMM, rounded to fp16."""
+
+    @staticmethod
+    def forward(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.kind = kind
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(a, b)
+        return _round(_gemm(kind, a.to(_F32), b.to(_F32), None if bias is None else bias.to(_F32)))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        ga = gb = gbias = None
+        with torch.autocast("cpu", enabled=False):
+            g = grad.to(_F32)
+            kind = ctx.kind
+            if kind == "linear":  # out = a @ b^T + bias; a (..., k), b (n, k)
+                if need_a:
+                    ga = _round(g @ b.to(_F32))
+                if need_b or need_bias:
+                    g2 = g.reshape(-1, g.shape[-1])
+                    if need_b:
+                        gb = _round(g2.t() @ a.reshape(-1, a.shape[-1]).to(_F32))
+                    if need_bias and ctx.has_bias:
+                        gbias = _round(g2.sum(0))
+            elif kind == "matmul2":  # out = a @ b; a (..., k), b (k, n)
+                if need_a:
+                    ga = _round(g @ b.to(_F32).t())
+                if need_b:
+                    gb = _round(a.reshape(-1, a.shape[-1]).to(_F32).t() @ g.reshape(-1, g.shape[-1]))
+            else:  # "bmm": a (B, m, k), b (B, k, n)
+                if need_a:
+                    ga = _round(torch.bmm(g, b.to(_F32).transpose(1, 2)))
+                if need_b:
+                    gb = _round(torch.bmm(a.to(_F32).transpose(1, 2), g))
+        return None, ga, gb, gbias
+
+
+def _gemm(kind: str, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    with torch.autocast("cpu", enabled=False):
+        if kind == "linear":
+            return torch.nn.functional.linear(a, b, bias)
+        if kind == "matmul2":
+            return a @ b
+        return torch.bmm(a, b)
+
+
+_LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
+_BMM = {torch.bmm, torch.Tensor.bmm}
+FUNCTIONS = frozenset(_LINEAR | _MATMUL | _BMM)
+
+
+class HalfGemmMode(TorchFunctionMode):
+    """The matmul family as widened fp32 GEMMs while autocast runs fp16 on the CPU (see
+    [Note: fp16 GEMMs on a CPU without fp16 arithmetic]). One instance per forward: it
+    holds that forward's fp16 casts of fp32 leaf tensors (autocast's cast cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FUNCTIONS and kwargs.get("out") is None:
+            out = self._widened(func, args, kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _widened(self, func, args, kwargs) -> Optional[torch.Tensor]:
+        if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is _F16):
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        if func in _LINEAR:
+            a = args[0] if args else kwargs.get("input")
+            b = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if not (_eligible(a) and _eligible(b) and (bias is None or _eligible(bias))):
+                return None
+            if b.dim() != 2 or a.dim() < 1 or a.shape[-1] != b.shape[1] or (bias is not None and bias.dim() > 1):
+                return None
+            kind, work = "linear", a.numel() * b.shape[0]
+        else:
+            if len(args) != 2 or kwargs:
+                return None
+            a, b = args
+            bias = None
+            if not (_eligible(a) and _eligible(b)):
+                return None
+            if func in _BMM or (a.dim() == 3 and b.dim() == 3 and func in (torch.matmul, torch.Tensor.matmul,
+                                                                            torch.Tensor.__matmul__)):
+                if not (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]):
+                    return None
+                kind, work = "bmm", a.numel() * b.shape[2]
+            else:
+                if func in (torch.mm, torch.Tensor.mm) and a.dim() != 2:
+                    return None
+                if not (a.dim() >= 2 and b.dim() == 2 and a.shape[-1] == b.shape[0]):
+                    return None
+                kind, work = "matmul2", a.numel() * b.shape[1]
+        if work < MIN_WORK:
+            return None
+        a16, b16 = self._cast(a), self._cast(b)
+        bias16 = None if bias is None else self._cast(bias)
+        if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (a16, b16, bias16)):
+            return _round(_gemm(kind, a16.to(_F32), b16.to(_F32), None if bias16 is None else bias16.to(_F32)))
+        return _WidenedGemm.apply(kind, a16, b16, bias16)
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in fp16 as autocast casts it: fp32 leaves that require grad cast once."""
+        if t.dtype is _F16:
+            return t
+        if t.is_leaf and t.requires_grad:
+            hit = self._casts.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+            with torch.autocast("cpu", enabled=False):
+                cast = t.to(_F16)
+            self._casts[id(t)] = (t, cast)
+            return cast
+        with torch.autocast("cpu", enabled=False):
+            return t.to(_F16)
+
+
+def _eligible(t) -> bool:
+    """A plain strided CPU tensor in fp32 or fp16 (what autocast would make fp16)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in (_F32, _F16)
+            and t.device.type == "cpu" and t.layout is torch.strided)

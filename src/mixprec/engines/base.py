@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 from torch import nn
+from torch.optim import optimizer as optim_mod
 
 from .. import cuda_arch, kernels
 from ..errors import NonFiniteGradientsError, UnscaledBackwardError
@@ -409,8 +410,6 @@ class Engine:
         if not self.fused_optimizer or not kernels.supports_fused(optimizer):
             return False
         # Step hooks registered on the optimizer would be bypassed: keep the generic path.
-        from torch.optim import optimizer as optim_mod
-
         return not (
             optimizer._optimizer_step_pre_hooks
             or optimizer._optimizer_step_post_hooks

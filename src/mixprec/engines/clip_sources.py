@@ -26,6 +26,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 from torch.nn.modules import module as _module
+from .. import kernels
 
 _VERSION = [0]  # bumped when any module registers a parameter or a submodule
 
@@ -118,8 +119,6 @@ class PlannedGrads:
 
 def plans_of(optimizers: Sequence[torch.optim.Optimizer], lowp_of) -> Optional[list]:
     """The current step plan of every optimizer, or None when one has none."""
-    from .. import kernels
-
     plans = []
     for opt in optimizers:
         plan = kernels.step_plan(opt, lowp_of)

@@ -207,6 +207,10 @@ class HalfGemmMode(TorchFunctionMode):
 
 
 def _eligible(t) -> bool:
-    """A plain strided CPU tensor in fp32 or fp16 (what autocast would make fp16)."""
-    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in (_F32, _F16)
-            and t.device.type == "cpu" and t.layout is torch.strided)
+    """A strided CPU tensor in fp32 or fp16 (what autocast would make fp16) that acts as a
+    plain tensor: of torch's own classes, or any class while subclass torch functions are
+    off (the sharded engines' guarded parameters inside the prepared forward, see
+    [Note: guarded sharded parameters] in engines/gathered.py)."""
+    return (isinstance(t, torch.Tensor) and t.dtype in (_F32, _F16) and t.device.type == "cpu"
+            and t.layout is torch.strided
+            and (type(t) in (torch.Tensor, torch.nn.Parameter) or not torch._C._is_torch_function_enabled()))

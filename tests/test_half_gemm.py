@@ -93,7 +93,7 @@ def test_a_weight_used_twice_is_cast_once_per_forward():
     assert len(up_casts) == 2 and up_casts[0] is up_casts[1]  # autocast's cast cache, per forward
 
 
-@pytest.mark.parametrize("case", ["float64", "small", "autocast_off", "bf16", "out"])
+@pytest.mark.parametrize("case", ["float64", "small", "autocast_off", "bf16", "out", "vmap"])
 def test_what_it_leaves_to_torch(case):
     calls = []
     real_apply = _WidenedGemm.apply
@@ -106,6 +106,8 @@ def test_what_it_leaves_to_torch(case):
                 out = torch.mm(a.double(), b.double())
             elif case == "small":
                 out = torch.mm(a[:4, :8], b[:8, :4])
+            elif case == "vmap":
+                out = torch.func.vmap(lambda r: r @ b)(a.reshape(2, 128, 512))
             elif case == "out":
                 out = torch.empty(256, 256, dtype=torch.float16)
                 torch.mm(a.half(), b.detach().half(), out=out)
@@ -115,7 +117,7 @@ def test_what_it_leaves_to_torch(case):
         _WidenedGemm.apply = real_apply
     assert calls == []
     expected = {"float64": torch.float64, "small": torch.float16, "autocast_off": torch.float32,
-                "bf16": torch.bfloat16, "out": torch.float16}[case]
+                "bf16": torch.bfloat16, "out": torch.float16, "vmap": torch.float16}[case]
     assert out.dtype == expected
 
 

@@ -22,8 +22,9 @@ fp16. It casts the operands as autocast would (fp32 -> fp16, one cast per weight
 as autocast's cast cache), then calls :class:`_WidenedGemm`, which keeps the fp16 inputs
 for backward (no fp32 copy is saved). Anything else goes on unchanged: other ops, tensor
 subclasses, fp64 or non-CPU operands, products smaller than ``MIN_WORK`` multiply-adds (a
-Python autograd node costs more than the portable kernel there), and a forward that
-``torch.compile`` traces.
+Python autograd node costs more than the portable kernel there), a forward that
+``torch.compile`` traces, and ``torch.func`` transforms (vmap, grad). Products outside the
+prepared model's forward (a loss head computed in the loop) keep torch's kernels.
 
 Config ``cpu_fp16_matmul``: ``auto`` (on exactly when the CPU lacks fp16 arithmetic),
 ``fp32`` (always), ``native`` (off: torch's own kernels).
@@ -153,8 +154,8 @@ class HalfGemmMode(TorchFunctionMode):
     def _widened(self, func, args, kwargs) -> Optional[torch.Tensor]:
         if not (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is _F16):
             return None
-        if torch.compiler.is_compiling():
-            return None
+        if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+            return None  # traced, or inside a torch.func transform (vmap, grad, ...)
         if func in _LINEAR:
             a = args[0] if args else kwargs.get("input")
             b = args[1] if len(args) > 1 else kwargs.get("weight")

@@ -19,19 +19,23 @@ from mixprec.wrappers.half_gemm import HalfGemmMode, _WidenedGemm
 
 
 class Mixer(nn.Module):
-    """Linear layers, a weight used twice, a bmm and a 2-D matmul: every rerouted form."""
+    """Linear layers, a weight used twice, a bmm, an addmm and a 2-D matmul: every rerouted
+    form."""
 
     def __init__(self, d: int = 128):
         super().__init__()
         self.up = nn.Linear(d, 4 * d)
         self.down = nn.Linear(4 * d, d)
         self.proj = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.conv_w = nn.Parameter(torch.randn(d, d) / d**0.5)  # GPT-2's Conv1D: addmm(bias, x, w)
+        self.conv_b = nn.Parameter(torch.zeros(d))
 
     def forward(self, x):  # x (B, S, d)
         h = self.down(nn.functional.gelu(self.up(x)))
         h = h + self.down(nn.functional.gelu(self.up(h)))  # up/down used twice in one forward
         scores = torch.bmm(h, h.transpose(1, 2)) / h.shape[-1]
         h = torch.bmm(scores.softmax(-1), h)
+        h = torch.addmm(self.conv_b, h.reshape(-1, h.shape[-1]), self.conv_w).reshape(h.shape)
         return h @ self.proj
 
 
@@ -67,7 +71,7 @@ def test_widened_gemms_are_as_close_to_float64_as_torchs_fp16_kernels():
     finally:
         _WidenedGemm.apply = real_apply
     out_n, loss_n, native = _grads(model, x, y, mode=False)
-    assert sorted(set(calls)) == ["bmm", "linear", "matmul2"], calls  # every form really rerouted
+    assert sorted(set(calls)) == ["addmm", "bmm", "linear", "matmul2"], calls  # every form really rerouted
     assert out_w.dtype == out_n.dtype == torch.float16
     for name, r in ref.items():
         assert widened[name].dtype == native[name].dtype == torch.float32, name
@@ -76,6 +80,56 @@ def test_widened_gemms_are_as_close_to_float64_as_torchs_fp16_kernels():
         assert err_w <= 1.25 * err_n + 1e-7, (name, float(err_w), float(err_n))
         assert err_n > 1e-5, (name, float(err_n))  # fp16 really ran: the bound is not vacuous
     assert abs(float(loss_w) - float(loss_n)) <= 1e-3 * abs(float(loss_n))
+
+
+def _hf_model(kind: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    else:
+        config = transformers.LlamaConfig(intermediate_size=256, num_key_value_heads=2, **common)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+class _LM(nn.Module):
+    """An HF causal LM as ``(ids) -> logits`` for ``_grads``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_models_are_as_close_to_float64_as_torchs_fp16_kernels(kind):
+    model = _LM(_hf_model(kind))
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    y = torch.randn(4, 64, 256, generator=torch.Generator().manual_seed(1))
+    ref = _grads(copy.deepcopy(model).double(), ids, y.double(), mode=False, dtype=None)[2]
+    calls = []
+    real_apply = _WidenedGemm.apply
+    try:
+        _WidenedGemm.apply = lambda *a: (calls.append(a[0]), real_apply(*a))[1]
+        widened = _grads(model, ids, y, mode=True)[2]
+    finally:
+        _WidenedGemm.apply = real_apply
+    native = _grads(model, ids, y, mode=False)[2]
+    assert len(calls) >= 8, calls  # the projections really were widened
+    worst = 0.0
+    for name, r in ref.items():
+        r = r.double()
+        if r.norm() == 0:
+            continue
+        err_w = float((widened[name].double() - r).norm() / r.norm())
+        err_n = float((native[name].double() - r).norm() / r.norm())
+        assert err_w <= 1.25 * err_n + 1e-6, (name, err_w, err_n)
+        worst = max(worst, err_n)
+    assert worst > 1e-4  # fp16 really ran: the bound is not vacuous
 
 
 def test_a_weight_used_twice_is_cast_once_per_forward():

@@ -50,7 +50,7 @@ def test_every_backend_runs_the_widened_gemms_and_trains_alike():
     results = {b: run_distributed(_train, 2, args=(b,)) for b in ("ddp", "zero1", "zero3", "fsdp")}
     for backend, ranks in results.items():
         for kinds, weights in ranks:
-            assert kinds == ["bmm", "linear", "matmul2"], (backend, kinds)
+            assert kinds == ["addmm", "bmm", "linear", "matmul2"], (backend, kinds)
             ref = results["ddp"][0][1]
             assert weights.keys() == ref.keys()
             for k in ref:

@@ -2,7 +2,7 @@
 
 [Note: fp16 GEMMs on a CPU without fp16 arithmetic]
 Under ``mixed_precision="fp16"`` on a CPU, autocast runs every ``F.linear`` / ``matmul`` /
-``mm`` / ``bmm`` in fp16. Where the CPU has fp16 arithmetic (AVX512-FP16, AMX-FP16) torch
+``mm`` / ``bmm`` / ``addmm`` in fp16. Where the CPU has fp16 arithmetic (AVX512-FP16, AMX-FP16) torch
 hands them to oneDNN; elsewhere (every AMD CPU so far, Intel before Sapphire Rapids, most
 laptops) it runs ATen's portable fp16 GEMM, which accumulates in fp32 and rounds the result
 to fp16 once, 10 to 25 times slower than the fp32 GEMM on the same shapes (a
@@ -85,6 +85,7 @@ class _WidenedGemm(torch.autograd.Function):
     def forward(ctx, kind: str, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.kind = kind
         ctx.has_bias = bias is not None
+        ctx.bias_dim = None if bias is None else bias.dim()
         ctx.save_for_backward(a, b)
         return _round(_gemm(kind, a.to(_F32), b.to(_F32), None if bias is None else bias.to(_F32)))
 
@@ -106,6 +107,13 @@ class _WidenedGemm(torch.autograd.Function):
                         gb = _round(g2.t() @ a.reshape(-1, a.shape[-1]).to(_F32))
                     if need_bias and ctx.has_bias:
                         gbias = _round(g2.sum(0))
+            elif kind == "addmm":  # out = bias + a @ b; a (m, k), b (k, n), bias (n,) or (m, n)
+                if need_a:
+                    ga = _round(g @ b.to(_F32).t())
+                if need_b:
+                    gb = _round(a.to(_F32).t() @ g)
+                if need_bias and ctx.has_bias:
+                    gbias = _round(g.sum(0) if ctx.bias_dim == 1 else g)
             elif kind == "matmul2":  # out = a @ b; a (..., k), b (k, n)
                 if need_a:
                     ga = _round(g @ b.to(_F32).t())
@@ -125,13 +133,16 @@ def _gemm(kind: str, a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tens
             return torch.nn.functional.linear(a, b, bias)
         if kind == "matmul2":
             return a @ b
+        if kind == "addmm":
+            return torch.addmm(bias, a, b)
         return torch.bmm(a, b)
 
 
 _LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
 _MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.Tensor.mm}
 _BMM = {torch.bmm, torch.Tensor.bmm}
-FUNCTIONS = frozenset(_LINEAR | _MATMUL | _BMM)
+_ADDMM = {torch.addmm}  # GPT-2's Conv1D: addmm(bias, x, weight)
+FUNCTIONS = frozenset(_LINEAR | _MATMUL | _BMM | _ADDMM)
 
 
 class HalfGemmMode(TorchFunctionMode):
@@ -165,6 +176,16 @@ class HalfGemmMode(TorchFunctionMode):
             if b.dim() != 2 or a.dim() < 1 or a.shape[-1] != b.shape[1] or (bias is not None and bias.dim() > 1):
                 return None
             kind, work = "linear", a.numel() * b.shape[0]
+        elif func in _ADDMM:
+            if len(args) != 3 or kwargs:  # beta/alpha given: torch's kernel
+                return None
+            bias, a, b = args
+            if not (_eligible(a) and _eligible(b) and _eligible(bias)):
+                return None
+            if not (a.dim() == 2 and b.dim() == 2 and a.shape[1] == b.shape[0]
+                    and (tuple(bias.shape) == (b.shape[1],) or tuple(bias.shape) == (a.shape[0], b.shape[1]))):
+                return None
+            kind, work = "addmm", a.numel() * b.shape[1]
         else:
             if len(args) != 2 or kwargs:
                 return None

@@ -258,3 +258,37 @@ def test_the_clip_does_not_walk_the_module_tree_and_sees_a_parameter_added_later
     norm = acc.clip_grad_norm_(model.parameters(), 1.0)
     assert walks, "the clip must walk again after a parameter was registered"
     torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+
+
+def test_zero_grad_drops_every_gradient_and_keeps_an_optimizers_own_zero_grad():
+    """zero_grad(set_to_none=True) of a planned optimizer sets every param's .grad to None
+    from the plan's lists (kernels.drop_grads), a param added in a second group included;
+    an optimizer class with its own zero_grad, or set_to_none=False, runs torch's code."""
+
+    class Counting(torch.optim.AdamW):
+        calls = 0
+
+        def zero_grad(self, set_to_none: bool = True):
+            type(self).calls += 1
+            super().zero_grad(set_to_none)
+
+    for cls in (torch.optim.AdamW, Counting):
+        acc = Accelerator(cpu=True, log_policy=False)
+        model = _blocks(3)
+        extra = nn.Parameter(torch.randn(4))
+        opt = cls(model.parameters(), lr=1e-3)
+        opt.add_param_group({"params": [extra]})
+        model, opt = acc.prepare(model, opt)
+        for _ in range(2):
+            loss = model(torch.randn(2, 8)).square().mean() + extra.square().sum()
+            acc.backward(loss)
+            assert opt.step().stepped
+            params = list(model.parameters()) + [extra]
+            assert all(p.grad is not None for p in params)
+            opt.zero_grad()
+            assert all(p.grad is None for p in params)
+        assert Counting.calls == (2 if cls is Counting else 0)
+        acc.backward(model(torch.randn(2, 8)).square().mean())
+        opt.zero_grad(set_to_none=False)
+        assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+        acc.end_training()

@@ -222,6 +222,29 @@ def _planned(optimizer: torch.optim.Optimizer) -> Optional[_Planned]:
     return planned
 
 
+_TORCH_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
+def drop_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer.zero_grad(set_to_none=True)`` for an optimizer the kernels step with
+    torch's own ``zero_grad``: every param's ``.grad = None``, from the lists the plan
+    holds. False (nothing done): another optimizer, or a ``zero_grad`` of its own.
+
+    Why not torch's loop: it asks ``p.grad is not None`` first, which makes a Python object
+    for each gradient that only C++ touched this step (the fused clip and step read them
+    there): about 3 us per parameter, most of ``zero_grad``. Setting ``.grad`` needs no
+    object for the old value."""
+    if type(optimizer).zero_grad is not _TORCH_ZERO_GRAD:
+        return False
+    planned = _planned(optimizer)
+    if planned is None:
+        return False
+    for params in planned.params:
+        for p in params:
+            p.grad = None
+    return True
+
+
 def forget_plan(optimizer: torch.optim.Optimizer) -> None:
     """Drop ``optimizer``'s step plan: its state tensors were replaced in place (the next
     step builds a new plan)."""

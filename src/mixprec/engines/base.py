@@ -631,7 +631,9 @@ class Engine:
         self.comm.publish(optimizer, True)
 
     def zero_grad(self, state: OptimizerState, set_to_none: bool = True) -> None:
-        state.optimizer.zero_grad(set_to_none=set_to_none)
+        optimizer = state.optimizer
+        if not (set_to_none and kernels.drop_grads(optimizer)):
+            optimizer.zero_grad(set_to_none=set_to_none)
         state.forget_grads()
         self.precision.drop_lowp_grads(state.optimizer)
         self.comm.zero_grad(state.optimizer, set_to_none)

@@ -215,3 +215,28 @@ def test_a_bad_setting_names_the_value():
     with pytest.raises(Exception, match="cpu_fp16_matmul"):
         mixprec.Accelerator(mixed_precision="fp16", cpu=True, log_policy=False,
                             config={"cpu_fp16_matmul": "fast"})
+
+
+def test_activation_checkpointing_recomputes_the_same_products():
+    """The recomputation in backward runs inside the mode too: checkpointed and plain runs
+    give bitwise equal gradients."""
+    grads = {}
+    for ckpt in (None, ["Mixer"]):
+        torch.manual_seed(0)
+        model = nn.Sequential(Mixer(), Mixer())
+        acc = mixprec.Accelerator(mixed_precision="fp16", cpu=True, log_policy=False, fused_optimizer=False,
+                                  activation_checkpointing=ckpt, config={"cpu_fp16_matmul": "fp32"})
+        model = acc.prepare(model)
+        x, y = _data()
+        calls = []
+        real_apply = _WidenedGemm.apply
+        try:
+            _WidenedGemm.apply = lambda *a: (calls.append(a[0]), real_apply(*a))[1]
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            acc.backward(loss)
+        finally:
+            _WidenedGemm.apply = real_apply
+        grads[bool(ckpt)] = ([p.grad.clone() for p in model.parameters()], len(calls))
+        acc.end_training()
+    assert grads[True][1] == 2 * grads[False][1]  # the checkpointed forward ran twice, widened both times
+    assert all(torch.equal(a, b) for a, b in zip(grads[True][0], grads[False][0]))

@@ -154,6 +154,12 @@ class HalfGemmMode(TorchFunctionMode):
         super().__init__()
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def recompute_mode(self) -> "HalfGemmMode":
+        """The mode for activation checkpointing's recomputation in backward ([Note:
+        recomputation replays the forward's modes] in activation_checkpointing.py): the
+        recomputed products are the forward's, bit for bit."""
+        return HalfGemmMode()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in FUNCTIONS and kwargs.get("out") is None:

@@ -35,6 +35,9 @@ class Mixer(nn.Module):
         h = h + self.down(nn.functional.gelu(self.up(h)))  # up/down used twice in one forward
         scores = torch.bmm(h, h.transpose(1, 2)) / h.shape[-1]
         h = torch.bmm(scores.softmax(-1), h)
+        heads = h.reshape(*h.shape[:2], 4, -1).transpose(1, 2)  # (B, 4, S, d/4): eager attention's products
+        att = (heads @ heads.transpose(-1, -2)).softmax(-1)
+        h = h + torch.matmul(att, heads).transpose(1, 2).reshape(h.shape)
         h = torch.addmm(self.conv_b, h.reshape(-1, h.shape[-1]), self.conv_w).reshape(h.shape)
         return h @ self.proj
 
@@ -72,6 +75,7 @@ def test_widened_gemms_are_as_close_to_float64_as_torchs_fp16_kernels():
         _WidenedGemm.apply = real_apply
     out_n, loss_n, native = _grads(model, x, y, mode=False)
     assert sorted(set(calls)) == ["addmm", "bmm", "linear", "matmul2"], calls  # every form really rerouted
+    assert calls.count("bmm") == 4, calls  # the two 3-D bmm and the two 4-D matmuls
     assert out_w.dtype == out_n.dtype == torch.float16
     for name, r in ref.items():
         assert widened[name].dtype == native[name].dtype == torch.float32, name

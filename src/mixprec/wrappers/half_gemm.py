@@ -199,11 +199,14 @@ class HalfGemmMode(TorchFunctionMode):
             bias = None
             if not (_eligible(a) and _eligible(b)):
                 return None
-            if func in _BMM or (a.dim() == 3 and b.dim() == 3 and func in (torch.matmul, torch.Tensor.matmul,
-                                                                            torch.Tensor.__matmul__)):
-                if not (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1]):
+            batched = a.dim() == b.dim() >= 3
+            if func in _BMM or (batched and func in _MATMUL):
+                # bmm, or matmul over equal batch dims (eager attention's (B, H, S, D) products),
+                # as a bmm over the flattened batch.
+                if not (batched and (func not in _BMM or a.dim() == 3) and a.shape[:-2] == b.shape[:-2]
+                        and a.shape[-1] == b.shape[-2]):
                     return None
-                kind, work = "bmm", a.numel() * b.shape[2]
+                kind, work = "bmm", a.numel() * b.shape[-1]
             else:
                 if func in (torch.mm, torch.Tensor.mm) and a.dim() != 2:
                     return None
@@ -214,9 +217,15 @@ class HalfGemmMode(TorchFunctionMode):
             return None
         a16, b16 = self._cast(a), self._cast(b)
         bias16 = None if bias is None else self._cast(bias)
+        batch = None
+        if kind == "bmm" and a.dim() > 3:
+            batch = a.shape[:-2]
+            a16, b16 = a16.reshape(-1, *a.shape[-2:]), b16.reshape(-1, *b.shape[-2:])
         if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (a16, b16, bias16)):
-            return _round(_gemm(kind, a16.to(_F32), b16.to(_F32), None if bias16 is None else bias16.to(_F32)))
-        return _WidenedGemm.apply(kind, a16, b16, bias16)
+            out = _round(_gemm(kind, a16.to(_F32), b16.to(_F32), None if bias16 is None else bias16.to(_F32)))
+        else:
+            out = _WidenedGemm.apply(kind, a16, b16, bias16)
+        return out if batch is None else out.reshape(*batch, *out.shape[-2:])
 
     def _cast(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in fp16 as autocast casts it: fp32 leaves that require grad cast once."""

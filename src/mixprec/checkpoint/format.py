@@ -242,6 +242,7 @@ def write_safetensors(f: BinaryIO, entries: list, producer, metadata: Optional[d
     f.write(head)
     record = {"bytes": len(head), "header": {"bytes": len(head), CHECKSUM: checksum_bytes(head)}, "entries": []}
     pos = len(head)
+    scratch = None  # the bounded staging buffer of tensors that are not CPU-contiguous
     for i, (key, shape, dtype) in enumerate(entries):
         t = producer(i)
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
@@ -251,13 +252,43 @@ def write_safetensors(f: BinaryIO, entries: list, producer, metadata: Optional[d
             )
         digest = new_checksum()
         if t.numel():
-            data = memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-            digest.update(data)
-            f.write(data)
+            scratch = _write_chunks(f, t.detach().reshape(-1), digest, scratch)
         record["entries"].append({"start": pos, CHECKSUM: digest.hexdigest()})
         pos += numel_of(shape) * torch.empty((), dtype=dtype).element_size()
     record["bytes"] = pos
     return record
+
+
+# [Note: streaming I/O] Tensor bytes move in chunks of CHUNK_BYTES: each chunk is checksummed
+# and written (or read and checksummed) while it is in the CPU's cache, so each byte is
+# touched once in memory. A CPU tensor that is contiguous is written from its own memory;
+# any other (another device, strided) goes through one reused buffer of CHUNK_BYTES, so a
+# save never holds a copy of a whole tensor, let alone of the checkpoint
+# (checkpoint/reader.py streams the same way on load).
+CHUNK_BYTES = 4 << 20
+
+
+def _write_chunks(f: BinaryIO, flat: torch.Tensor, digest, scratch: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Write the 1-D ``flat`` in chunks, feeding ``digest``; returns the staging buffer
+    (made on first need, reused by the caller for the next tensor)."""
+    size = flat.element_size()
+    step = max(1, CHUNK_BYTES // size)
+    direct = flat.device.type == "cpu" and flat.is_contiguous()
+    data = memoryview(flat.view(torch.uint8).numpy()) if direct else None
+    for lo in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - lo)
+        if direct:
+            chunk = data[lo * size: (lo + n) * size]
+        else:
+            if scratch is None:
+                scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8,
+                                      pin_memory=flat.device.type == "cuda" and torch.cuda.is_available())
+            staged = scratch[: n * size].view(flat.dtype)
+            staged.copy_(flat.narrow(0, lo, n))
+            chunk = memoryview(staged.view(torch.uint8).numpy())
+        digest.update(chunk)
+        f.write(chunk)
+    return scratch
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:

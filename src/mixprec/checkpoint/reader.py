@@ -9,20 +9,29 @@ that file's safetensors header) so that a later read cannot fail half-way throug
 Every rank runs the same checks of the metadata on every tensor, not only on the ranges it
 will read.
 
-[Note: verified shares] The bytes are checked as they are read, and each rank reads what it
-loads. ``CheckpointReader(path, share=(rank, world))`` (what ``load_state`` uses) verifies
+[Note: verified shares] Every byte is checked before anything is loaded, each rank checking
+a share. ``CheckpointReader(path, share=(rank, world))`` (what ``load_state`` uses) verifies
 in its constructor the header and every slice of the tensor files ``k`` with
 ``k % world == rank`` (for a load by the layout that saved, exactly the files this rank
-loads), keeping the slices it read; ``load_state`` agrees on every rank's verdict before
-anything changes, so every byte of the checkpoint was checked by some rank before any
-rank loads. A later read returns those kept slices (without copying when it asks for whole
-slices) and reads and verifies any other slice it needs on the spot. A tensor marked
-``replicated`` (every rank held it whole and wrote a share: writer.py, [Note: replicated
-shares]) is loaded whole, so its share is read straight into a buffer for the whole
-tensor, which the later read completes and returns. Without ``share`` the
+wrote: half of a ddp checkpoint, this rank's slices of a ZeRO one). It streams them through
+one reused buffer of ``format.CHUNK_BYTES`` ([Note: streaming I/O] in format.py), checksumming
+each chunk while it is in the CPU's cache, and keeps nothing: memory stays bounded whatever
+the checkpoint's size. ``load_state`` then agrees on every rank's verdict before anything
+changes (checkpoint/state.py, [Note: two-phase load]) and calls :meth:`shares_agreed`: every
+byte was checked by some rank, so the load reads ``read_into`` straight into the live
+tensors (fp32 masters, parameters, buffers, optimizer state; engines/replicated_state.py and
+engines/zero_state.py), a plain ``pread`` into memory that is already mapped, with no
+staging copy and no second checksum. A slice that nobody verified (a reader without
+``share`` built with ``verify_files=False``) is checksummed as it is read, and a read that
+covers part of such a slice verifies the whole slice first. Without ``share`` the
 constructor checks every byte (as ``mixprec consolidate`` and a bare reader need). The
 small files (``objects.pt``, ``rank*.pt``) are checked whenever they are loaded. Old
 checkpoints, with one sha256 per whole file, are checked whole as before.
+
+So a load reads the bytes of its share twice, once to verify (before the agreement) and
+once into the model (after): that is what "a failure loads nothing" costs without staging
+the checkpoint in memory. The second read is served by the page cache when the checkpoint
+fits in it, and streams from the disk again when it does not.
 
 Example::
 
@@ -87,8 +96,9 @@ class CheckpointReader:
     def __init__(self, path, verify_files: bool = True, share: Optional[tuple] = None) -> None:
         self.path = Path(path)
         self._fds: dict = {}
-        self._kept: dict = {}  # (file, start) -> a verified slice read by the constructor
-        self._whole: dict = {}  # replicated tensor name -> [its buffer, starts of the slices in it]
+        self._verified: set = set()  # (file, start) of the slices checksummed by this process
+        self._agreed = False  # shares_agreed(): every slice was checksummed by some rank
+        self._scratch: Optional[torch.Tensor] = None  # the reused buffer of CHUNK_BYTES
         self._headers_ok: set = set()
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {str(self.path)!r} does not exist; check the path")
@@ -135,7 +145,7 @@ class CheckpointReader:
             for name, info in files.items():
                 if self._is_sliced(name):
                     if name in mine:
-                        self._verify_sliced_file(name, keep=share is not None)
+                        self._verify_sliced_file(name)
                     else:
                         self._check_size(name, info)
                 else:  # small files, and whole-file checksums of old checkpoints
@@ -147,10 +157,14 @@ class CheckpointReader:
         """A tensor file whose header and slices carry their own checksums ([Note: checksums])."""
         return isinstance(self.metadata["files"][file].get("header"), dict)
 
+    def shares_agreed(self) -> None:
+        """Every rank verified its share and all agreed ([Note: verified shares]): later reads
+        go straight into their destination without checksumming again."""
+        self._agreed = True
+
     def release(self) -> None:
-        """Drop the kept slices and close the files (the reader stays usable)."""
-        self._kept.clear()
-        self._whole.clear()
+        """Drop the staging buffer and close the files (the reader stays usable)."""
+        self._scratch = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -163,8 +177,50 @@ class CheckpointReader:
 
     def _fd(self, file: str) -> int:
         if file not in self._fds:
-            self._fds[file] = os.open(self.path / file, os.O_RDONLY)
+            fd = os.open(self.path / file, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # larger read-ahead for the sequential reads
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self._fds[file] = fd
         return self._fds[file]
+
+    def _chunk_buffer(self) -> torch.Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty(fmt.CHUNK_BYTES, dtype=torch.uint8)
+        return self._scratch
+
+    def _stream(self, file: str, start: int, nbytes: int, out: Optional[torch.Tensor], digest) -> None:
+        """Bytes ``[start, start + nbytes)`` of ``file`` in chunks ([Note: streaming I/O]):
+        into ``out`` (flat, ``nbytes`` bytes of any dtype and device; None: nowhere), each
+        chunk fed to ``digest`` (None: no checksum) while it is in the cache. A CPU ``out``
+        that is contiguous is read into directly; anything else goes through the reused
+        buffer."""
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        view = memoryview(out.view(torch.uint8).numpy()) if direct and nbytes else None
+        size = out.element_size() if out is not None else 1
+        step = fmt.CHUNK_BYTES
+        for lo in range(0, nbytes, step):
+            n = min(step, nbytes - lo)
+            if direct:
+                chunk = view[lo: lo + n]
+            else:
+                staged = self._chunk_buffer()[:n]
+                chunk = memoryview(staged.numpy())
+            self._pread(file, start + lo, chunk)
+            if digest is not None:
+                digest.update(chunk)
+            if out is not None and not direct:
+                out.narrow(0, lo // size, n // size).copy_(staged.view(out.dtype))
+
+    def _pread(self, file: str, start: int, view: memoryview) -> None:
+        fd, done, total = self._fd(file), 0, len(view)
+        while done < total:
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n <= 0:
+                raise CheckpointError(
+                    f"checkpoint {str(self.path)!r}: {file} ends at byte {start + done}, its metadata says "
+                    f"more (truncated or corrupt); nothing was loaded. Load another checkpoint"
+                )
+            done += n
 
     def _pread_into(self, file: str, start: int, buf: torch.Tensor) -> None:
         view = memoryview(buf.view(torch.uint8).numpy()) if buf.numel() else memoryview(b"")
@@ -231,39 +287,26 @@ class CheckpointReader:
     def _nbytes(self, name: str, sh: dict) -> int:
         return sh["numel"] * torch.empty((), dtype=self.index[name][1]).element_size()
 
-    def _read_slice(self, name: str, sh: dict, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The whole slice ``sh`` of ``name``, read once and verified on the way ([Note: checksums])."""
-        kept = self._kept.pop((sh["file"], sh["start"]), None)
-        if kept is not None:
-            if out is None:
-                return kept
-            out.copy_(kept)
-            return out
+    def _read_slice(self, name: str, sh: dict, out: Optional[torch.Tensor] = None) -> None:
+        """The whole slice ``sh`` of ``name`` into ``out`` (None: only verified), streamed and
+        checksummed on the way unless it was verified already ([Note: verified shares])."""
+        known = self._agreed or (sh["file"], sh["start"]) in self._verified
+        if known and out is None:
+            return
         self._verify_header(sh["file"])
-        buf = out if out is not None else torch.empty(sh["numel"], dtype=self.index[name][1])
-        self._pread_into(sh["file"], sh["start"], buf)
         algorithm, expected = fmt.checksum_in(sh)
-        if sh["numel"] and fmt.checksum_bytes(memoryview(buf.view(torch.uint8).numpy()), algorithm) != expected:
-            raise self._corrupt(sh["file"], f"the slice {sh['key']!r}", algorithm)
-        if not sh["numel"] and fmt.new_checksum(algorithm).hexdigest() != expected:
-            raise self._corrupt(sh["file"], f"the slice {sh['key']!r}", algorithm)
-        return buf
+        digest = None if known else fmt.new_checksum(algorithm)
+        self._stream(sh["file"], sh["start"], self._nbytes(name, sh), out, digest)
+        if digest is not None:
+            if digest.hexdigest() != expected:
+                raise self._corrupt(sh["file"], f"the slice {sh['key']!r}", algorithm)
+            self._verified.add((sh["file"], sh["start"]))
 
-    def _verify_sliced_file(self, file: str, keep: bool) -> None:
-        """Verify a tensor file's header and every slice in it; ``keep`` the slices read."""
+    def _verify_sliced_file(self, file: str) -> None:
+        """Verify a tensor file's header and every slice in it, keeping nothing."""
         self._verify_header(file)
-        for name, sh in self._slices_of.get(file, []):
-            entry = self.metadata["tensors"][name]
-            if keep and entry.get("replicated") is True and len(entry["shards"]) > 1:
-                # written in shares but loaded whole: read into the whole tensor's buffer
-                buf, done = self._whole.setdefault(name, [torch.empty(fmt.numel_of(entry["shape"]),
-                                                                      dtype=self.index[name][1]), set()])
-                self._read_slice(name, sh, buf[sh["offset"]: sh["offset"] + sh["numel"]])
-                done.add((file, sh["start"]))
-                continue
-            t = self._read_slice(name, sh)
-            if keep:
-                self._kept[(file, sh["start"])] = t
+        for name, sh in sorted(self._slices_of.get(file, []), key=lambda x: x[1]["start"]):
+            self._read_slice(name, sh)
 
     def _bad(self, field: str, problem: str) -> CheckpointError:
         return CheckpointError(
@@ -358,7 +401,7 @@ class CheckpointReader:
         """A whole file against its size and checksum (small files; old tensor files)."""
         self._check_size(name, info)
         if self._is_sliced(name):
-            self._verify_sliced_file(name, keep=False)
+            self._verify_sliced_file(name)
             return
         algorithm, expected = fmt.checksum_in(info)
         if fmt.checksum_file(self.path / name, algorithm) != expected:
@@ -380,42 +423,44 @@ class CheckpointReader:
         return int(self.metadata["world_size"])
 
     def __call__(self, name: str, offset: int, numel: int) -> torch.Tensor:
-        """Flat elements ``[offset, offset + numel)`` of the global tensor ``name``."""
+        """Flat elements ``[offset, offset + numel)`` of the global tensor ``name`` (a new tensor)."""
+        if name not in self.index:
+            raise CheckpointError(f"checkpoint {str(self.path)!r} has no tensor {name!r}")
+        if numel < 0:
+            raise ValueError(f"{name!r}: range [{offset}, {offset + numel}) has a negative length")
+        out = torch.empty(numel, dtype=self.index[name][1])
+        self.read_into(name, offset, out)
+        return out
+
+    def read_into(self, name: str, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Read flat elements ``[offset, offset + out.numel())`` of ``name`` into ``out``, a 1-D
+        tensor of the tensor's dtype on any device (a CPU one that is contiguous is read into
+        directly, without a copy: [Note: verified shares]). Returns ``out``."""
         if name not in self.index:
             raise CheckpointError(f"checkpoint {str(self.path)!r} has no tensor {name!r}")
         shape, dtype = self.index[name]
-        total = fmt.numel_of(shape)
-        if offset < 0 or numel < 0 or offset + numel > total:
+        if out.dim() != 1 or out.dtype != dtype:
+            raise ValueError(f"{name!r}: read_into needs a 1-D {dtype} tensor, got shape "
+                             f"{tuple(out.shape)} dtype {out.dtype}")
+        total, numel = fmt.numel_of(shape), out.numel()
+        if offset < 0 or offset + numel > total:
             raise ValueError(f"{name!r}: range [{offset}, {offset + numel}) outside its {total} elements")
         end = offset + numel
-        shards = self.metadata["tensors"][name]["shards"]
-        if name in self._whole:
-            buf, done = self._whole[name]
-            for sh in shards:
-                if (sh["file"], sh["start"]) not in done:
-                    self._read_slice(name, sh, buf[sh["offset"]: sh["offset"] + sh["numel"]])
-                    done.add((sh["file"], sh["start"]))
-            if offset == 0 and numel == total:
-                del self._whole[name]
-                return buf
-            return buf[offset:end].clone()
-        exact = [s for s in shards if s["offset"] == offset and s["numel"] == numel and numel]
-        if exact and self._is_sliced(exact[0]["file"]):
-            return self._read_slice(name, exact[0])  # the common case: one whole slice, no copy
-        out = torch.empty(numel, dtype=dtype)
         filled = 0
-        for s in shards:
+        for s in self.metadata["tensors"][name]["shards"]:
             lo, hi = max(offset, s["offset"]), min(end, s["offset"] + s["numel"])
             if lo >= hi:
                 continue
+            part = out[lo - offset: hi - offset]
             if self._is_sliced(s["file"]):
                 if lo == s["offset"] and hi == s["offset"] + s["numel"]:
-                    self._read_slice(name, s, out[lo - offset: hi - offset])
-                else:  # part of a slice: read the slice whole to verify it
-                    out[lo - offset: hi - offset] = self._read_slice(name, s)[lo - s["offset"]: hi - s["offset"]]
+                    self._read_slice(name, s, part)
+                else:  # part of a slice: the whole slice is verified first (read, not kept)
+                    self._read_slice(name, s)
+                    size = out.element_size()
+                    self._stream(s["file"], s["start"] + (lo - s["offset"]) * size, (hi - lo) * size, part, None)
             else:
-                part = self._handle(s["file"]).get_slice(s["key"])[lo - s["offset"]: hi - s["offset"]]
-                out[lo - offset: hi - offset] = part
+                part.copy_(self._handle(s["file"]).get_slice(s["key"])[lo - s["offset"]: hi - s["offset"]])
             filled += hi - lo
         if filled != numel:
             raise CheckpointError(f"{name!r}: the checkpoint's slices cover {filled} of the {numel} elements asked for")
@@ -455,3 +500,18 @@ class CheckpointReader:
                 "mixprec writes; nothing was loaded"
             )
         return obj
+
+
+def read_into(read, name: str, offset: int, dst: torch.Tensor) -> None:
+    """Fill ``dst`` (any shape, any device) with flat elements ``[offset, offset + dst.numel())``
+    of ``name`` from ``read`` (a :class:`CheckpointReader`, or any ``read(name, offset, numel)``
+    callable, such as a folder written by Accelerate or a tensor-parallel view, which may
+    forward other attributes to the reader it wraps but reads other ranges): in place, without
+    a staging copy, when ``read`` is a :class:`CheckpointReader` and ``dst`` is contiguous in
+    the checkpoint's dtype; else through a temporary of ``dst``'s size."""
+    dst = dst.detach()
+    if type(read) is CheckpointReader and dst.is_contiguous() and dst.dtype == read.index[name][1]:
+        read.read_into(name, offset, dst.view(-1))
+        return
+    with torch.no_grad():
+        dst.copy_(read(name, offset, dst.numel()).reshape(dst.shape))

@@ -124,6 +124,10 @@ def load_accelerator_state(acc, source: Path, custom: list):
     if errors:
         # The same text on every rank (each rank's problem names its own path).
         raise CheckpointError("load_state() loaded nothing, on any rank: " + "; ".join(errors))
+    if isinstance(reader, CheckpointReader):
+        # every rank verified its share and all agreed: the engine reads straight into its
+        # tensors from here on ([Note: verified shares] in reader.py)
+        reader.shares_agreed()
     try:
         acc.engine.load_state_shards(acc.prepared.models, acc.prepared.raw_optimizers(), reader)
     finally:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint.format import Shard, model_prefix, numel_of
+from ..checkpoint.format import Shard, model_prefix
+from ..checkpoint.reader import read_into
 
 
 def replicated_state_shards(precision, models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> list:
@@ -48,21 +49,25 @@ def replicated_state_shards(precision, models: list[nn.Module], optimizers: list
 
 def replicated_load_state_shards(precision, models: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                                  read) -> None:
-    """Read whole tensors (everything before changing anything), copy them into the fp32
-    masters / parameters / buffers, refresh the low-precision parameters from the masters,
-    and give each optimizer its state (keyed by parameter name)."""
+    """Read whole tensors straight into the fp32 masters / parameters / buffers and the
+    optimizers' existing state tensors, refresh the low-precision parameters from the
+    masters, and give each optimizer its state (keyed by parameter name).
 
-    def whole(name: str) -> torch.Tensor:
-        shape = read.index[name][0]
-        return read(name, 0, numel_of(shape)).reshape(shape)
-
-    staged, key_of = [], {}
+    [Note: in-place load] The checkpoint was verified, on every rank, before this is called
+    ([Note: verified shares] in checkpoint/reader.py), so nothing is staged: the plan (which
+    name goes into which tensor) is made first, where every lookup that can fail happens, and
+    then each tensor is read into its destination (``read_into``: a ``pread`` into memory
+    already mapped, no copy, no page faults). Optimizer state is read into the tensors the
+    optimizer already holds when their shape and dtype match (an optimizer that has stepped),
+    and into new tensors otherwise, then handed over with ``load_state_dict`` as before.
+    """
+    plan, key_of = [], {}  # (destination tensor, checkpoint name)
     for i, model in enumerate(models):
         prefix = model_prefix(i)
         for name, t in model.state_dict(keep_vars=True).items():
             dst = precision.master_of.get(id(t), t)
             key_of.setdefault(id(dst), (name if prefix == "model/" else prefix + name))
-            staged.append((dst, whole(prefix + name)))
+            plan.append((dst, prefix + name))
     optim_states = []
     for j, optimizer in enumerate(optimizers):
         state, groups, index = {}, [], 0
@@ -71,14 +76,25 @@ def replicated_load_state_shards(precision, models: list[nn.Module], optimizers:
                            "params": list(range(index, index + len(group["params"])))})
             for p in group["params"]:
                 head = f"optim/{j}/{key_of[id(p)]}/"
-                entries = {n[len(head):]: whole(n) for n in read.index if n.startswith(head) and "/" not in n[len(head):]}
+                current = optimizer.state.get(p, {})
+                entries = {}
+                for n in read.index:
+                    if not n.startswith(head) or "/" in n[len(head):]:
+                        continue
+                    shape, dtype = read.index[n]
+                    old = current.get(n[len(head):])
+                    reuse = (isinstance(old, torch.Tensor) and tuple(old.shape) == tuple(shape) and old.dtype == dtype
+                             and old.is_contiguous())
+                    dst = old if reuse else torch.empty(shape, dtype=dtype)
+                    entries[n[len(head):]] = dst
+                    plan.append((dst, n))
                 if entries:
                     state[index] = entries
                 index += 1
         optim_states.append({"state": state, "param_groups": groups})
     with torch.no_grad():
-        for dst, src in staged:
-            dst.copy_(src)
+        for dst, name in plan:
+            read_into(read, name, 0, dst)
         precision.refresh_lowp()
     for optimizer, sd in zip(optimizers, optim_states):
         optimizer.load_state_dict(sd)

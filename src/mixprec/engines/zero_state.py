@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.format import Shard, model_prefix, numel_of
+from ..checkpoint.format import Shard, model_prefix
+from ..checkpoint.reader import read_into
 
 
 def _names_of(model: nn.Module, trainable: set[int]) -> dict[int, list[str]]:
@@ -145,20 +146,25 @@ def zero_state_shards(comm, models, optimizers) -> list[Shard]:
 
 
 def zero_load_state_shards(comm, models, optimizers, read) -> None:
+    """Read this rank's slices straight into its master shard, its replicated buffers and its
+    optimizer state ([Note: in-place load] in engines/replicated_state.py: the checkpoint
+    was verified on every rank before this runs; the plan is made first, then each range is
+    read into its destination). Optimizer state goes into the segment's existing state
+    tensors when their size and dtype match, else into new ones; elements of a segment that
+    no parameter owns are zero either way."""
     owned = _owned(comm, models)
-    staged = []  # (destination view, source) copied only once everything was read
+    plan = []  # (destination tensor, checkpoint name, offset), read once the plan is whole
     for i, model in enumerate(models):
         trainable = _trainable_ids(owned, model)
         for name, t in model.state_dict(keep_vars=True).items():
             if id(t) not in trainable:
-                shape = read.index[model_prefix(i) + name][0]
-                staged.append((t, read(model_prefix(i) + name, 0, numel_of(shape)).reshape(shape)))
+                plan.append((t, model_prefix(i) + name, 0))
     for prefix, model, core, params, names, ranges in owned:
         master = core.master_shard
         for index, offset, param_offset, numel in ranges:
             name = names[id(params[index])][0]
-            staged.append((master.narrow(0, offset, numel), read(prefix + name, param_offset, numel)))
-    new_states = []
+            plan.append((master.narrow(0, offset, numel), prefix + name, param_offset))
+    new_states, gaps = [], []
     for j, optimizer in enumerate(optimizers):
         for m, pieces in _optimizer_layout(comm, optimizer, owned):
             if not pieces:
@@ -168,20 +174,33 @@ def zero_load_state_shards(comm, models, optimizers, read) -> None:
             skeys = [n[len(head):] for n in read.index if n.startswith(head) and "/" not in n[len(head):]]
             if not skeys:
                 continue
+            current = optimizer.state.get(m, {})
             entry = {}
             for skey in skeys:
                 if skey == "step":
                     entry["step"] = read(head + "step", 0, 1).reshape(()).to(torch.float32)
                     continue
                 dtype = read.index[head + skey][1]
-                buf = torch.zeros(m.numel(), dtype=dtype, device=m.device)
+                old = current.get(skey)
+                if (isinstance(old, torch.Tensor) and old.shape == m.shape and old.dtype == dtype
+                        and old.device == m.device and old.is_contiguous()):
+                    buf = old
+                    gaps.append((buf, sorted((start, numel) for *_, start, numel in pieces)))
+                else:
+                    buf = torch.zeros(m.numel(), dtype=dtype, device=m.device)
                 for keys, _shape, param_offset, start, numel in pieces:
-                    buf.narrow(0, start, numel).copy_(read(f"optim/{j}/{keys[0]}/{skey}", param_offset, numel))
+                    plan.append((buf.narrow(0, start, numel), f"optim/{j}/{keys[0]}/{skey}", param_offset))
                 entry[skey] = buf
             new_states.append((optimizer, m, entry))
     with torch.no_grad():
-        for dst, src in staged:
-            dst.copy_(src.to(dst.dtype))
+        for buf, pieces in gaps:  # a reused state tensor: what no piece covers is zero, as in a new one
+            pos = 0
+            for start, numel in pieces + [(buf.numel(), 0)]:
+                if start > pos:
+                    buf.narrow(0, pos, start - pos).zero_()
+                pos = max(pos, start + numel)
+        for dst, name, offset in plan:
+            read_into(read, name, offset, dst)
         for _prefix, _model, core, *_ in owned:
             # zero1/2 all-gather the loaded masters into the parameters now; zero3/fsdp
             # gather them at the next forward.

@@ -117,6 +117,9 @@ def measure_all(sizes: dict, only: tuple = SECTIONS) -> dict:
         # Last: it tunes glibc malloc for the rest of the process (bench_optimizer_bound.py).
         res["optimizer_bound"] = timed("optimizer_bound",
                                        lambda: bench_optimizer_bound.measure(**sizes["optimizer_bound"]))
+        res["optimizer_bound_fp16"] = timed(
+            "optimizer_bound_fp16",
+            lambda: bench_optimizer_bound.measure(**sizes["optimizer_bound"], precision="fp16"))
     res["load_after"] = load_average()
     res["total_s"] = time.perf_counter() - t0
     return res
@@ -323,6 +326,16 @@ def write_report(res: dict, info: dict, out: Path, command: str, quick: bool) ->
     L.append("")
     L.append(_times_table(o["contenders"], "mixprec", ours_over_this=False))
     L.append("")
+    if "optimizer_bound_fp16" in res:
+        f = res["optimizer_bound_fp16"]
+        L.append(f"The same in fp16 (plain: fp16 autocast + `GradScaler`; mixprec: `mixed_precision=\"fp16\"`), "
+                 f"mixprec's CPU kernels: {f['cpu_capability']}. mixprec_native_gemm: config `cpu_fp16_matmul: "
+                 "native`, torch's own fp16 matmul kernels; by default, on a CPU without fp16 arithmetic, mixprec "
+                 "runs fp16 matmuls as fp32 GEMMs of the fp16 inputs rounded to fp16 (src/mixprec/wrappers/"
+                 "half_gemm.py; same numbers up to the fp32 summation order).")
+        L.append("")
+        L.append(_times_table(f["contenders"], "mixprec", ours_over_this=False))
+        L.append("")
 
     # ddp
     d = res["ddp"]

@@ -68,7 +68,8 @@ def test_quick_run_targets_present_and_verdicts_follow_the_numbers(quick_run):
     expected = ["single: mixprec / plain PyTorch loop", "ddp N=2: mixprec_ddp / torch DDP",
                 "mixprec fsdp / torch torch_fsdp2 ", "mixprec fsdp_keep / torch torch_fsdp2_keep",
                 "fused step speed-up over plain PyTorch",
-                "optimizer-bound step: speed-up of mixprec over plain PyTorch",
+                "optimizer-bound step: speed-up of mixprec over plain PyTorch (bf16",
+                "optimizer-bound step: speed-up of mixprec over plain PyTorch (fp16",
                 "sequence parallel SP=2: longest sequence under"]  # run_all.QUICK's SP sizes: 1 and 2
     pairs = {"2": [("mixprec_ddp", "torch_ddp"), ("zero3", "torch_fsdp2"), ("fsdp", "torch_fsdp2")],
              "4": [("mixprec_ddp", "torch_ddp"), ("zero3", "torch_fsdp2")]}  # run_all.QUICK's N=4 rows
@@ -104,7 +105,8 @@ def test_quick_run_has_every_contender_row(quick_run):
     _, md, _ = quick_run
     sections = {
         "## Single process": ["plain", "mixprec"] + (["accelerate"] if _installed("accelerate") else []),
-        "## Optimizer-bound step": ["plain", "plain_noguard", "mixprec", "mixprec_inplace", "mixprec_nocache"],
+        "## Optimizer-bound step": ["plain", "plain_noguard", "mixprec", "mixprec_inplace", "mixprec_nocache",
+                                    "mixprec_native_gemm"],
         "## DDP, N=2": ["torch_ddp", "mixprec_ddp"] + (["accelerate_ddp"] if _installed("accelerate") else []),
         "### N=1": ["mixprec_single", "torch_fsdp2", "torch_ddp"],
         "### N=2": ["mixprec_ddp", "zero1", "zero2", "zero2_rs", "zero3", "fsdp", "torch_fsdp2", "torch_ddp"],

@@ -15,7 +15,7 @@ import torch
 
 from mixprec import Accelerator, DistributedType
 from mixprec.config.schema import BACKEND_NAMES
-from mixprec.engines import ENGINES, shards_parameters
+from mixprec.engines import ENGINES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mixprec"
 ENGINE_NAMES = set(BACKEND_NAMES) - {"auto"}
@@ -59,11 +59,11 @@ def test_the_reader_finds_a_backend_name_comparison(tmp_path):
 def test_no_backend_name_is_compared_outside_the_engines():
     found = backend_name_comparisons()
     assert not found, ("backend names compared outside src/mixprec/engines; ask the engine's Comm class "
-                       "(a class attribute, or a fact function in engines/__init__.py) instead:\n  " + "\n  ".join(found))
+                       "(a class attribute or classmethod declared on it, see tests/test_explain_facts.py) instead:\n  " + "\n  ".join(found))
 
 
 def test_the_engine_classes_state_their_facts():
-    assert {name for name, comm in ENGINES.items() if shards_parameters(comm)} == {"zero3", "fsdp"}
+    assert {name for name, comm in ENGINES.items() if comm.shards_parameters} == {"zero3", "fsdp"}
     assert {name for name, comm in ENGINES.items() if not comm.distributed} == {"single"}
     assert {name for name, comm in ENGINES.items() if comm.owns_masters} == {"zero1", "zero2", "zero3", "fsdp"}
 

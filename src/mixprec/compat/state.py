@@ -32,7 +32,7 @@ import torch
 from .. import registry
 from ..distributed import collectives
 from ..distributed.state import DistributedState
-from ..engines import ENGINES, shards_parameters
+from ..engines import ENGINES
 from ..registry import live_accelerator, register  # noqa: F401 - compat_state.register, as before
 from .options import DistributedType
 
@@ -140,7 +140,7 @@ class PartialState(DistributedState, metaclass=_Shared):
         comm = ENGINES.get(self.backend_name)  # the backend's Comm class says what it does
         if self.world_size == 1 and comm is not None and not comm.distributed:
             return DistributedType.NO
-        if comm is not None and shards_parameters(comm):
+        if comm is not None and comm.shards_parameters:
             return DistributedType.FSDP
         return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
 

@@ -7,8 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..engines import ENGINES, shards_parameters
-from ..engines.fsdp import FSDPComm, map_mixed_precision
+from ..engines import ENGINES
 from ..engines.zero import DEEPSPEED_SCALER
 from ..policy import PrecisionPolicy, dtype_name
 from .fields import DTYPES, format_value
@@ -36,26 +35,27 @@ def policy_of(config: MixprecConfig) -> PrecisionPolicy:
 
 def precision_row(backend: str, policy: PrecisionPolicy, config: MixprecConfig) -> tuple[str, ...]:
     """``(backend, params, compute, grad reduce, accumulate, masters, loss scaling)`` for one
-    backend, as its engine applies ``policy``: the facts are its Comm class's (src/mixprec/engines)."""
+    backend, as its engine applies ``policy``. Every fact is asked of the backend's Comm class
+    (src/mixprec/engines): ``owns_masters``, ``shards_parameters``, ``distributed`` and
+    ``run_policy`` (the policy its ``__init__`` runs for these ``engine_options``);
+    tests/test_explain_facts.py builds each engine and checks this row against it."""
     comm = ENGINES[backend]
     sharded = comm.owns_masters  # the optimizer steps fp32 master shards the comm owns (zero1/2/3, fsdp)
     options = engine_kwargs(config, backend)
     if sharded and policy.master_dtype is None:
         return (backend, f"not supported: {backend} keeps fp32 master shards, "
                 f"mixed_precision={policy.name!r} has none (use 'bf16')", "", "", "", "", "")
-    if issubclass(comm, FSDPComm):  # FSDP2's MixedPrecisionPolicy fields map onto the policy
-        fsdp = {k: options[k] for k in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs") if k in options}
-        try:
-            policy = map_mixed_precision(policy, **fsdp)
-        except ValueError as e:
-            return (backend, f"error: {e}", "", "", "", "", "")
+    try:  # e.g. fsdp: FSDP2's MixedPrecisionPolicy fields map onto the policy
+        policy = comm.run_policy(policy, **options)
+    except ValueError as e:
+        return (backend, f"error: {e}", "", "", "", "", "")
     stored = dtype_name(policy.param_dtype) if policy.param_dtype is not None else "as given"
-    if shards_parameters(comm):
+    if comm.shards_parameters:
         stored += ", 1/N shard (gathered per unit)"
     if not comm.distributed:
         reduce = "- (one process)"
-    elif sharded:
-        reduce = "fp32 (reduce-scatter into fp32 shards)"
+    elif sharded:  # [Note: low-precision reduction] (csrc/engines/sharded/core.h): added into fp32 shards
+        reduce = f"{dtype_name(policy.reduce_dtype)} (reduce-scatter into fp32 shards)"
     else:
         reduce = dtype_name(policy.reduce_dtype)
     if policy.master_dtype is None:
@@ -68,11 +68,8 @@ def precision_row(backend: str, policy: PrecisionPolicy, config: MixprecConfig) 
         masters = "fp32 params (+ fp32 masters for bf16/fp16 params)"
     scaling = "off"
     if policy.loss_scaling:
-        scaler = policy.scaler
-        if sharded and options.get("loss_scaler") == "deepspeed":
-            scaler, kind = DEEPSPEED_SCALER, "deepspeed"
-        else:
-            kind = "torch"
+        scaler = policy.scaler  # the engine's (run_policy: zero's loss_scaler='deepspeed' replaces it)
+        kind = "deepspeed" if scaler is DEEPSPEED_SCALER else "torch"
         scaling = (f"dynamic, {kind} (init {format_value(scaler.init_scale)}, grow every "
                    f"{scaler.growth_interval}, hysteresis {scaler.hysteresis})")
     return (backend, stored, dtype_name(policy.compute_dtype), reduce,

@@ -23,13 +23,6 @@ ENGINES: dict[str, type[Comm]] = {
 }
 
 
-def shards_parameters(comm: type[Comm]) -> bool:
-    """Whether ``comm`` keeps 1/N of each parameter between uses and gathers it per unit (ZeRO
-    stage 3: zero3, fsdp): Accelerate calls such a run FSDP (compat/state.py), ``mixprec config
-    explain`` shows its parameters as shards. Read from the class's ZeRO ``stage``."""
-    return getattr(comm, "stage", 0) >= 3
-
-
 def resolve_backend(backend: str, world_size: int) -> type[Comm]:
     """The Comm class for a ``backend`` name (``"auto"``: ddp when several processes)."""
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
@@ -51,4 +44,4 @@ def resolve_backend(backend: str, world_size: int) -> type[Comm]:
 
 
 __all__ = ["BACKEND_NAMES", "Comm", "DDPComm", "ENGINES", "Engine", "FSDPComm", "ShardedComm",
-           "SingleComm", "Zero1Comm", "Zero2Comm", "Zero3Comm", "resolve_backend", "shards_parameters"]
+           "SingleComm", "Zero1Comm", "Zero2Comm", "Zero3Comm", "resolve_backend"]

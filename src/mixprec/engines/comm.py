@@ -71,6 +71,17 @@ class Comm:
     # parameters or their fp32 masters (held by the precision layer).
     owns_masters: ClassVar[bool] = False
     steps_closures: ClassVar[bool] = True  # optimizer.step(closure) is supported
+    # ZeRO stage 3 (zero3, fsdp): keeps 1/N of each parameter between uses and gathers it per
+    # unit. Accelerate calls such a run FSDP (compat/state.py); `mixprec config explain` shows
+    # its parameters as shards. tests/test_explain_facts.py checks it against the built comm.
+    shards_parameters: ClassVar[bool] = False
+
+    @classmethod
+    def run_policy(cls, policy: PrecisionPolicy, **options) -> PrecisionPolicy:
+        """The policy this backend runs for ``policy`` and its ``engine_options`` (what
+        ``__init__`` makes ``self.policy``; ``mixprec config explain`` shows it). ValueError
+        when an option contradicts ``policy``. Here: ``policy`` unchanged."""
+        return policy
 
     def __init__(self, policy: PrecisionPolicy, device: torch.device) -> None:
         self.policy = policy  # the policy the engine runs (a comm may adjust the one given)

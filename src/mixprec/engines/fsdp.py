@@ -74,6 +74,13 @@ class FSDPComm(Zero3Comm):
 
     name = "fsdp"
 
+    @classmethod
+    def run_policy(cls, policy: PrecisionPolicy, *, param_dtype=_UNSET, reduce_dtype=_UNSET,
+                   output_dtype=_UNSET, cast_forward_inputs=_UNSET, **options) -> PrecisionPolicy:
+        # As __init__: FSDP2's MixedPrecisionPolicy fields fold into the policy first.
+        policy = map_mixed_precision(policy, param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)
+        return super().run_policy(policy, **options)
+
     def __init__(self, policy: PrecisionPolicy, device: torch.device, *, param_dtype=_UNSET,
                  reduce_dtype=_UNSET, output_dtype=_UNSET, cast_forward_inputs=_UNSET,
                  **options) -> None:

@@ -71,6 +71,13 @@ class ShardedComm(GroupComm):
     owns_masters = True
     steps_closures = False
 
+    @classmethod
+    def run_policy(cls, policy: PrecisionPolicy, *, loss_scaler: str = "torch", **options) -> PrecisionPolicy:
+        # As __init__: loss_scaler='deepspeed' replaces the fp16 scaler by DeepSpeed's.
+        if loss_scaler == "deepspeed" and policy.loss_scaling:
+            return dataclasses.replace(policy, scaler=DEEPSPEED_SCALER)
+        return policy
+
     def __init__(
         self,
         policy: PrecisionPolicy,
@@ -468,6 +475,7 @@ class Zero3Comm(ShardedComm):
 
     name = "zero3"
     stage = 3
+    shards_parameters = True  # the stage-3 cores free their flat parameter buffers between uses
     default_units = "size:1000000"  # a unit per module holding >= 1M parameters not in a smaller unit
 
     def __init__(self, policy: PrecisionPolicy, device: torch.device, *, units=None,

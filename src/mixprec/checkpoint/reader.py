@@ -512,6 +512,11 @@ def read_into(read, name: str, offset: int, dst: torch.Tensor) -> None:
     dst = dst.detach()
     if type(read) is CheckpointReader and dst.is_contiguous() and dst.dtype == read.index[name][1]:
         read.read_into(name, offset, dst.view(-1))
+        # A pread is a write torch does not see: bump the version as copy_ would, so that
+        # whatever checks it sees the new values (the forward's weight copies, [Note: the
+        # update writes the forward's weights] in engines/weight_casts.py; autograd's saved
+        # tensors).
+        torch.autograd.graph.increment_version(dst)
         return
     with torch.no_grad():
         dst.copy_(read(name, offset, dst.numel()).reshape(dst.shape))

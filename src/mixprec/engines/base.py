@@ -542,15 +542,13 @@ class Engine:
     def _fused_update(self, optimizer: torch.optim.Optimizer, **kwargs) -> bool:
         """``kernels.fused_optimizer_step`` writing this engine's low-precision targets;
         False when the kernels declined the optimizer (nothing done). The forward's weight
-        copies are made current before it and marked current after ([Note: the update
+        copies are made current before it; the update keeps them so ([Note: the update
         writes the forward's weights] in engines/weight_casts.py)."""
         casts = self.precision.casts
         if casts is not None:
             casts.before_update()
         if not kernels.fused_optimizer_step(optimizer, lowp_of=self.comm.update_targets(), **kwargs):
             return False
-        if casts is not None:
-            casts.after_update()
         # LRScheduler watches optimizer.step() through this flag to warn about calling
         # scheduler.step() first; the fused path did step.
         optimizer._opt_called = True

@@ -77,17 +77,27 @@ class _UseCast(torch.autograd.Function):
 
 
 class _Entry:
-    __slots__ = ("copy", "param", "ptr", "version")
+    """A weight and its copy. Fresh while nothing but the fused update wrote either: the
+    update bumps the versions of both, once each (csrc/kernels/ops.cpp, ``bump_versions``,
+    a step skipped on the device included), so their difference stays what it was when the
+    copy was made, and no per-step bookkeeping is needed; any other in-place write moves it."""
+
+    __slots__ = ("copy", "param", "ptr", "offset")
 
     def __init__(self, param: torch.Tensor, dtype: torch.dtype) -> None:
         self.param = param
         self.copy = param.detach().to(dtype)
-        self.version = param._version
-        self.ptr = param.data_ptr()
+        self.stamp()
+
+    def stamp(self) -> None:
+        """The copy now holds the weight rounded: remember how their versions relate."""
+        p = self.param
+        self.offset = p._version - self.copy._version
+        self.ptr = p.data_ptr()
 
     def fresh(self) -> bool:
         p = self.param
-        return p._version == self.version and p.data_ptr() == self.ptr
+        return p._version - self.copy._version == self.offset and p.data_ptr() == self.ptr
 
 
 class WeightCasts:
@@ -158,12 +168,7 @@ class WeightCasts:
                 else:
                     with torch.no_grad():
                         e.copy.copy_(p)
-                e.ptr = p.data_ptr()
-
-    def after_update(self) -> None:
-        """The fused update wrote weight and copy together (or skipped both)."""
-        for e in self.entries.values():
-            e.version = e.param._version
+                e.stamp()
 
     # ----------------------------------------------------------------- forward
     def begin(self) -> None:

@@ -137,9 +137,13 @@ def test_read_into_fills_live_tensors_in_place_and_through_the_chunk_buffer(tmp_
     reader = CheckpointReader(ck, share=(0, 2))
     reader.shares_agreed()
     big = torch.zeros(3_000_000)
-    ptr = big.data_ptr()
+    ptr, version = big.data_ptr(), big._version
     read_into(reader, "model/big", 0, big)               # contiguous, same dtype: read in place
     assert big.data_ptr() == ptr and torch.equal(big, tensors["big"])
+    assert big._version > version                        # torch sees the write (as after copy_)
+    version = big._version
+    reader.read_into("model/big", 0, big)
+    assert big._version > version
     col = torch.zeros(3_000_000, 2)[:, 1]                # strided: through the 4 MB buffer
     reader.read_into("model/big", 0, col)
     assert torch.equal(col, tensors["big"])

@@ -464,6 +464,7 @@ class CheckpointReader:
             filled += hi - lo
         if filled != numel:
             raise CheckpointError(f"{name!r}: the checkpoint's slices cover {filled} of the {numel} elements asked for")
+        torch.autograd.graph.increment_version(out)  # a pread is a write torch does not see (see read_into below)
         return out
 
     def _handle(self, file: str):

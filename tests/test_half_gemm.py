@@ -244,3 +244,62 @@ def test_activation_checkpointing_recomputes_the_same_products():
         acc.end_training()
     assert grads[True][1] == 2 * grads[False][1]  # the checkpointed forward ran twice, widened both times
     assert all(torch.equal(a, b) for a, b in zip(grads[True][0], grads[False][0]))
+
+
+def _fp16_grads(fn, mode: bool, *leaves):
+    """``fn()`` under fp16 autocast (with or without the mode), its sum backpropagated:
+    the leaves' gradients."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        if mode:
+            with HalfGemmMode():
+                out = fn()
+        else:
+            out = fn()
+    out.float().sum().backward()
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    return grads
+
+
+def test_a_weight_first_used_under_no_grad_still_gets_its_gradient():
+    """Review finding: the cast cache handed a cast made under no_grad (no history) to a
+    later use with grad, and the weight got no gradient at all."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(256, 256) / 16)
+    x = torch.randn(64, 256)
+
+    def fn():
+        with torch.no_grad():
+            target = nn.functional.linear(x, w)
+        return nn.functional.linear(x, w) - target.detach()
+
+    ref, got = _fp16_grads(fn, False, w), _fp16_grads(fn, True, w)
+    assert got[0].norm() > 0
+    assert float((got[0] - ref[0]).norm() / ref[0].norm()) < 1e-3
+
+
+def test_double_backward_goes_through_the_widened_products():
+    """A gradient penalty (create_graph) through a widened linear, as under torch's fp16."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(256, 256) / 16)
+    x = torch.randn(64, 256, requires_grad=True)
+    norms = []
+    for mode in (False, True):
+        with torch.autocast("cpu", dtype=torch.float16):
+            if mode:
+                with HalfGemmMode():
+                    out = nn.functional.linear(x, w)
+            else:
+                out = nn.functional.linear(x, w)
+        gx, = torch.autograd.grad(out.float().pow(2).sum(), x, create_graph=True)
+        gx.float().pow(2).sum().backward()
+        norms.append(float(w.grad.norm()))
+        w.grad = None
+    assert abs(norms[1] - norms[0]) <= 1e-3 * norms[0], norms
+
+
+def test_mm_of_3d_tensors_raises_torchs_error():
+    a, b = torch.randn(4, 64, 128), torch.randn(4, 128, 64)
+    with torch.autocast("cpu", dtype=torch.float16), HalfGemmMode(), pytest.raises(RuntimeError, match="matrix"):
+        torch.mm(a, b)

@@ -90,8 +90,9 @@ class _WidenedGemm(torch.autograd.Function):
         return _round(_gemm(kind, a.to(_F32), b.to(_F32), None if bias is None else bias.to(_F32)))
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
+        # Ordinary differentiable ops: under create_graph (a gradient penalty) autograd
+        # records them, so a second backward goes through the same widened products.
         a, b = ctx.saved_tensors
         need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         ga = gb = gbias = None
@@ -199,6 +200,8 @@ class HalfGemmMode(TorchFunctionMode):
             bias = None
             if not (_eligible(a) and _eligible(b)):
                 return None
+            if func in (torch.mm, torch.Tensor.mm) and (a.dim() != 2 or b.dim() != 2):
+                return None  # torch's kernel raises its own error
             batched = a.dim() == b.dim() >= 3
             if func in _BMM or (batched and func in _MATMUL):
                 # bmm, or matmul over equal batch dims (eager attention's (B, H, S, D) products),
@@ -208,8 +211,6 @@ class HalfGemmMode(TorchFunctionMode):
                     return None
                 kind, work = "bmm", a.numel() * b.shape[-1]
             else:
-                if func in (torch.mm, torch.Tensor.mm) and a.dim() != 2:
-                    return None
                 if not (a.dim() >= 2 and b.dim() == 2 and a.shape[-1] == b.shape[0]):
                     return None
                 kind, work = "matmul2", a.numel() * b.shape[1]
@@ -231,7 +232,9 @@ class HalfGemmMode(TorchFunctionMode):
         """``t`` in fp16 as autocast casts it: fp32 leaves that require grad cast once."""
         if t.dtype is _F16:
             return t
-        if t.is_leaf and t.requires_grad:
+        if t.is_leaf and t.requires_grad and torch.is_grad_enabled() and torch.is_autocast_cache_enabled():
+            # As autocast's cache: casts of leaf weights, made and reused only where autograd
+            # records them (a cast made under no_grad has no history to give a later use).
             hit = self._casts.get(id(t))
             if hit is not None and hit[0] is t:
                 return hit[1]

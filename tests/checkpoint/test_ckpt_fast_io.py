@@ -66,7 +66,7 @@ def test_replicated_tensors_are_written_by_every_rank_and_read_back_exactly(tmp_
     # a range across the two ranks' slices of the split tensor
     flat = tensors["big"].reshape(-1)
     assert torch.equal(reader("model/big", 349_990, 20), flat[349_990:350_010])
-    for rank in range(2):  # as load_state reads: its share kept, the rest read on demand
+    for rank in range(2):  # as load_state reads: its share verified up front, the rest verified as read
         shared = CheckpointReader(ck, share=(rank, 2))
         assert torch.equal(shared("model/big", 349_990, 20), flat[349_990:350_010])
         for n, t in tensors.items():

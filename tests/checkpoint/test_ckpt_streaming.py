@@ -199,3 +199,15 @@ def test_writing_a_tensor_that_is_not_contiguous_stages_it_in_chunks(tmp_path):
 
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
         assert f.get_slice("x").get_shape() == [50_000_000]
+
+
+def test_a_file_cut_after_the_agreement_is_reported_as_a_partial_load(tmp_path):
+    from mixprec.checkpoint import CheckpointError, CheckpointReader
+    from mixprec.checkpoint.format import tensor_file
+
+    ck, tensors = _small_checkpoint(tmp_path)
+    reader = CheckpointReader(ck, share=(0, 2))
+    reader.shares_agreed()
+    os.truncate(ck / tensor_file(1), 1000)             # changed behind the load's back
+    with pytest.raises(CheckpointError, match="changed while it was being loaded"):
+        reader("model/big", 0, 3_000_000)

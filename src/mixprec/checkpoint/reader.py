@@ -216,6 +216,12 @@ class CheckpointReader:
         while done < total:
             n = os.preadv(fd, [view[done:]], start + done)
             if n <= 0:
+                if self._agreed:  # its size was checked before the agreement: it changed since
+                    raise CheckpointError(
+                        f"checkpoint {str(self.path)!r}: {file} ends at byte {start + done}, shorter than when "
+                        "it was verified: the checkpoint changed while it was being loaded, and what was read "
+                        "before this point is loaded. Load it again, or another checkpoint"
+                    )
                 raise CheckpointError(
                     f"checkpoint {str(self.path)!r}: {file} ends at byte {start + done}, its metadata says "
                     f"more (truncated or corrupt); nothing was loaded. Load another checkpoint"
@@ -293,7 +299,8 @@ class CheckpointReader:
         known = self._agreed or (sh["file"], sh["start"]) in self._verified
         if known and out is None:
             return
-        self._verify_header(sh["file"])
+        if not known:
+            self._verify_header(sh["file"])
         algorithm, expected = fmt.checksum_in(sh)
         digest = None if known else fmt.new_checksum(algorithm)
         self._stream(sh["file"], sh["start"], self._nbytes(name, sh), out, digest)

@@ -292,3 +292,171 @@ def test_zero_grad_drops_every_gradient_and_keeps_an_optimizers_own_zero_grad():
         opt.zero_grad(set_to_none=False)
         assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
         acc.end_training()
+
+
+# Review findings (each was a silent wrong result or a crash of the fused plan only; the
+# unfused path matched torch): containers edited in place at the same size, a param outside
+# the optimizer unfrozen, a param in two optimizers, a hand-set strided gradient, a model
+# switched to channels_last. [Note: the plan's sources] in csrc/bindings/step.cpp.
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def _conv():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.Tanh(), nn.Conv2d(8, 4, 3))
+
+
+def _adamw(m):
+    return torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _reset_state(m, o):
+    o.state[m[0].weight] = {}
+
+
+def _reset_momentum(m, o):
+    o.state[m[0].weight] = {"momentum_buffer": None}
+
+
+def _replace_param(m, o):
+    new = nn.Parameter(torch.full_like(m[0].weight, 0.05))
+    m[0].weight = new
+    o.param_groups[0]["params"][0] = new
+
+
+def _two_groups(m):
+    return torch.optim.AdamW([{"params": list(m[0].parameters()), "lr": 1e-2},
+                              {"params": list(m[2].parameters()), "lr": 3e-3}], weight_decay=0.1)
+
+
+def _swap_group_lists(m, o):
+    a, b = o.param_groups[0]["params"], o.param_groups[1]["params"]
+    a[:], b[:] = list(b), list(a)
+
+
+def _frozen_first(m):
+    m[0].weight.requires_grad_(False)
+    return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+def _unfreeze(m, o):
+    m[0].weight.requires_grad_(True)
+
+
+def _strided_data(m, o):
+    with torch.no_grad():
+        m[0].weight.data = m[0].weight.detach().t().contiguous().t()
+
+
+def _channels_last(m, o):
+    m.to(memory_format=torch.channels_last)
+
+
+CASES = {
+    "state_entry_replaced": (_mlp, _adamw, _reset_state, 1.0),
+    "sgd_momentum_entry_replaced": (_mlp, lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9),
+                                    _reset_momentum, 1.0),
+    "param_list_item_replaced": (_mlp, _adamw, _replace_param, 1.0),
+    "group_lists_swapped_in_place": (_mlp, _two_groups, _swap_group_lists, 1.0),
+    "outside_param_unfrozen": (_mlp, _frozen_first, _unfreeze, 0.05),
+    "strided_param_data": (_mlp, _adamw, _strided_data, 1.0),
+    "channels_last": (_conv, _adamw, _channels_last, 1.0),
+}
+
+
+def _run(kind, build, make_opt, action, max_norm, steps=4, at=2):
+    model = build()
+    opt = make_opt(model)
+    acc = None
+    if kind == "mixprec":
+        acc = Accelerator(cpu=True, log_policy=False)
+        model, opt = acc.prepare(model, opt)
+    inner = getattr(opt, "optimizer", opt)
+    norms = []
+    for i in range(steps):
+        if i == at:
+            action(model, inner)
+        g = torch.Generator().manual_seed(100 + i)
+        x = torch.randn(4, 3, 8, 8, generator=g) if build is _conv else torch.randn(64, 16, generator=g)
+        loss = model(x).pow(2).mean()
+        if acc is not None:
+            acc.backward(loss)
+            norms.append(float(acc.clip_grad_norm_(model.parameters(), max_norm)))
+        else:
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    if acc is not None:
+        acc.end_training()
+    return norms, model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_plan_sees_what_torch_sees(case):
+    build, make_opt, action, max_norm = CASES[case]
+    ref_norms, ref = _run("torch", build, make_opt, action, max_norm)
+    norms, got = _run("mixprec", build, make_opt, action, max_norm)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    _compare(ref, got)
+
+
+def test_a_param_in_two_optimizers_is_counted_once_by_the_clip():
+    def run(kind):
+        model = _mlp()
+        o1 = torch.optim.AdamW(list(model[0].parameters()) + [model[2].bias], lr=1e-2)
+        o2 = torch.optim.SGD(list(model[2].parameters()), lr=1e-2)
+        acc = None
+        if kind == "mixprec":
+            acc = Accelerator(cpu=True, log_policy=False)
+            model, o1, o2 = acc.prepare(model, o1, o2)
+        norms = []
+        for i in range(3):
+            x = torch.randn(64, 16, generator=torch.Generator().manual_seed(i))
+            loss = model(x).pow(2).mean()
+            if acc is not None:
+                acc.backward(loss)
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
+            else:
+                loss.backward()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            o1.step()
+            o2.step()
+            o1.zero_grad()
+            o2.zero_grad()
+        if acc is not None:
+            acc.end_training()
+        return norms, model
+
+    (ref_norms, ref), (norms, got) = run("torch"), run("mixprec")
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    _compare(ref, got)
+
+
+def test_a_hand_set_strided_gradient_is_clipped_as_torch_does():
+    def run(kind):
+        model = _mlp()
+        opt = _adamw(model)
+        acc = None
+        if kind == "mixprec":
+            acc = Accelerator(cpu=True, log_policy=False)
+            model, opt = acc.prepare(model, opt)
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            loss = model(x).pow(2).mean()
+            (acc.backward(loss) if acc is not None else loss.backward())
+            w = model[0].weight
+            w.grad = w.grad.t().contiguous().t()  # same values, column-major
+            norm = (acc.clip_grad_norm_(model.parameters(), 0.1) if acc is not None
+                    else torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1))
+            opt.step()
+            opt.zero_grad()
+        if acc is not None:
+            acc.end_training()
+        return float(norm), model
+
+    (ref_norm, ref), (norm, got) = run("torch"), run("mixprec")
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+    _compare(ref, got)

@@ -162,8 +162,21 @@ class OptimizerPlan:
     def num_params(self) -> int: ...
     def grads(self) -> list[Tensor]: ...
 
-def plans_l2_norm(plans: list[OptimizerPlan], found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
-    """l2_norm over the gradients of every plan's params; None when none holds one."""
+class PlanSource:
+    """The identities of an optimizer's param lists and state entries when its step plan was
+    built ([Note: the plan's sources] in csrc/bindings/step.cpp)."""
+
+    def __init__(self, lists: list, state: dict) -> None: ...
+    def current(self) -> bool: ...
+
+def plans_l2_norm(
+    plans: list[OptimizerPlan],
+    found_inf: Optional[Tensor] = None,
+    sources: list[Optional[PlanSource]] = [],
+    outsiders: tuple = (),
+) -> tuple[int, Optional[Tensor]]:
+    """(status, norm): l2_norm over the gradients of every plan's params (None: none holds
+    one); status 3: a plan's source changed, 4: an outsider holds a gradient (nothing done)."""
 
 def fused_step(
     adam: list[tuple] = [],
@@ -171,6 +184,7 @@ def fused_step(
     *,
     plan: Optional[OptimizerPlan] = None,
     options: list[tuple] = [],
+    source: Optional[PlanSource] = None,
     found_inf: Optional[Tensor] = None,
     check: bool = False,
     reducers: list[Reducer] = [],

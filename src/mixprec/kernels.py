@@ -181,7 +181,7 @@ class _Planned:
     """One optimizer's eligibility and plan, with the objects they were built from (held,
     so that an identity check cannot be fooled by a reused id)."""
 
-    __slots__ = ("groups", "params", "lens", "state", "n_state", "eligible", "lowp_of", "n_lowp", "plan")
+    __slots__ = ("groups", "params", "lens", "state", "n_state", "eligible", "lowp_of", "n_lowp", "plan", "source")
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.groups = optimizer.param_groups
@@ -193,6 +193,7 @@ class _Planned:
         self.lowp_of: object = _NOTHING
         self.n_lowp = 0
         self.plan: Optional[_C.OptimizerPlan] = None
+        self.source: Optional[_C.PlanSource] = None  # [Note: the plan's sources] (csrc/bindings/step.cpp)
 
     def current(self, optimizer: torch.optim.Optimizer) -> bool:
         groups = optimizer.param_groups
@@ -420,6 +421,8 @@ def _build_plan(optimizer, lowp_of: Optional[Mapping[int, Tensor]]) -> Optional[
             continue
         s1, s2, steps = [], [], []
         for p in ps:
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                return None  # changed since eligibility was decided (model.to(channels_last)...)
             st = state.get(p)
             if not st or st.get(keys[0]) is None:
                 s1.append(None), s2.append(None), steps.append(None)
@@ -456,15 +459,34 @@ def step_plan(optimizer: torch.optim.Optimizer,
         lowp_of = None  # an empty mapping (made anew per call by some engines) is none
     if planned.lowp_of is not lowp_of or (lowp_of is not None and len(lowp_of) != planned.n_lowp):
         planned.plan = _build_plan(optimizer, lowp_of)
+        # After the build (it may turn a float step into a tensor): what the plan was built from.
+        planned.source = None if planned.plan is None else _C.PlanSource(
+            [g["params"] for g in optimizer.param_groups], optimizer.state)
         planned.lowp_of = lowp_of
         planned.n_lowp = 0 if lowp_of is None else len(lowp_of)
     return planned.plan
 
 
-def plans_l2_norm(plans: Sequence[_C.OptimizerPlan], found_inf: Optional[Tensor] = None) -> Optional[Tensor]:
+def plan_source(optimizer: torch.optim.Optimizer) -> Optional[_C.PlanSource]:
+    """The :class:`_C.PlanSource` of ``optimizer``'s current plan (None: no plan)."""
+    planned = _PLANS.get(optimizer)
+    return None if planned is None else planned.source
+
+
+class StalePlan(Exception):
+    """A step plan no longer matches its optimizer's containers, or the clip's params hold a
+    gradient the plans do not ([Note: the plan's sources]): nothing was computed."""
+
+
+def plans_l2_norm(plans: Sequence[_C.OptimizerPlan], found_inf: Optional[Tensor] = None,
+                  sources: Sequence[Optional[_C.PlanSource]] = (), outsiders: tuple = ()) -> Optional[Tensor]:
     """:func:`l2_norm` over the gradients the step ``plans`` hold (one C++ call; None when
-    none holds a gradient)."""
-    return _C.plans_l2_norm(list(plans), found_inf)
+    none holds a gradient). Raises :class:`StalePlan` when a plan's ``sources`` changed or
+    one of ``outsiders`` holds a gradient."""
+    status, norm = _C.plans_l2_norm(list(plans), found_inf, list(sources), outsiders)
+    if status != _DONE:
+        raise StalePlan(status)
+    return norm
 
 
 def _options(optimizer) -> list:
@@ -479,7 +501,7 @@ def _on(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
     return None if t is None else t.to(device=like.device, dtype=torch.float32).reshape(1)
 
 
-_DONE, _DECLINED, _NEEDS_STATE = 0, 1, 2  # what _C.fused_step returns with a plan
+_DONE, _DECLINED, _NEEDS_STATE, _STALE = 0, 1, 2, 3  # what _C.fused_step returns with a plan
 
 
 @torch.no_grad()
@@ -510,7 +532,17 @@ def fused_optimizer_step(
         return False
     found = _on(found_inf, found_inf)
     scale = _on(inv_scale, inv_scale)
-    status = _C.fused_step(plan=plan, options=_options(optimizer), found_inf=found, grad_scale=scale, **finish)
+    status = _C.fused_step(plan=plan, options=_options(optimizer), source=plan_source(optimizer), found_inf=found,
+                           grad_scale=scale, **finish)
+    if status == _STALE:
+        # A list item or state entry was replaced in place ([Note: the plan's sources]):
+        # nothing was done; the plan is rebuilt from the containers as they are now.
+        forget_plan(optimizer)
+        plan = step_plan(optimizer, lowp_of)
+        if plan is None:
+            return False
+        status = _C.fused_step(plan=plan, options=_options(optimizer), source=plan_source(optimizer),
+                               found_inf=found, grad_scale=scale, **finish)
     if status == _DONE:
         return True
     if status == _DECLINED:

@@ -299,7 +299,18 @@ class Engine:
         parameters = self.clip_sources.parameters(parameters)
         planned = None if self.placement is not None else self._planned_clip(parameters, norm_type)
         if planned is not None:
-            parameters = planned  # the same params, with the step plans that hold their grads
+            try:
+                return self._clip(planned, max_norm, norm_type, planned)
+            except kernels.StalePlan:
+                # A plan's containers changed in place, or a param outside the plans holds a
+                # gradient ([Note: the plan's sources]): nothing was computed; the plans are
+                # rebuilt at the step, and this clip takes the general path.
+                for state in self.optimizers.values():
+                    kernels.forget_plan(state.optimizer)
+        return self._clip(parameters, max_norm, norm_type, None)
+
+    def _clip(self, parameters, max_norm: float, norm_type: float,
+              planned: Optional[PlannedParameters]) -> torch.Tensor:
         grads = self.comm.clip_grads(parameters, whole=True)
         if self.placement is not None:
             self.placement.note_clip(self.comm, parameters)
@@ -337,11 +348,13 @@ class Engine:
             return None
         optimizers = [st.optimizer for st in states]
         plans = plans_of(optimizers, self.comm.update_targets())
-        master_of = self.precision.master_of
-        if plans is None or not self.clip_sources.covers(
-                parameters, lambda p: master_of.get(id(p), p), optimizers, plans):
+        if plans is None:
             return None
-        return PlannedParameters(parameters, plans)
+        master_of = self.precision.master_of
+        outsiders = self.clip_sources.covers(parameters, lambda p: master_of.get(id(p), p), optimizers, plans)
+        if outsiders is None:
+            return None
+        return PlannedParameters(parameters, plans, [kernels.plan_source(o) for o in optimizers], outsiders)
 
     def _clip_now(self, grads: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
         """Clip ``grads`` in place by the global norm ``total`` (torch's rule) and record it

@@ -72,21 +72,30 @@ class ClipSources:
         return parameters if isinstance(parameters, (list, tuple)) else list(parameters)
 
     def covers(self, params: Sequence[torch.Tensor], sources_of, optimizers: Sequence[torch.optim.Optimizer],
-               plans: Sequence[object]) -> bool:
-        """``params`` (a cached tuple: same object while valid) map (``sources_of``: model
-        param -> what the optimizer steps) exactly onto the params of ``optimizers``, whose
-        current ``plans`` stand for their param lists. Computed once per combination."""
+               plans: Sequence[object]) -> Optional[tuple]:
+        """Whether the plans' gradients are the clip's: ``params`` (a cached tuple: same
+        object while valid) map (``sources_of``: model param -> what the optimizer steps)
+        onto every param of ``optimizers`` (whose current ``plans`` stand for their param
+        lists), each stepped by one optimizer only. Returns the "outsiders" then: the
+        params of ``params`` no optimizer steps, which must hold no gradient at a clip that
+        uses the plans (checked in C++ at each clip: a frozen param can be unfrozen without
+        notice); None when the plans cannot stand for the clip. Computed once per
+        combination."""
         if not isinstance(params, tuple):
-            return False
+            return None
         key = (id(params), _VERSION[0], *map(id, plans))
         entry = self._covers.get(key)
         # The entry holds the objects its key names: alive, their ids cannot be reused.
         if entry is None or entry[1] is not params or any(a is not b for a, b in zip(entry[2], plans)):
-            clip = {id(sources_of(p)) for p in params if p.requires_grad}
-            stepped = {id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]}
+            stepped_list = [id(p) for opt in optimizers for g in opt.param_groups for p in g["params"]]
+            stepped = set(stepped_list)
+            clip = {id(sources_of(p)) for p in params}
+            outsiders = tuple(p for p in params if id(sources_of(p)) not in stepped)
+            # A param held by two optimizers would be counted by both plans' norms.
+            covered = len(stepped) == len(stepped_list) and stepped <= clip
             if len(self._covers) > 64:
                 self._covers.clear()
-            entry = self._covers[key] = (clip == stepped, params, tuple(plans))
+            entry = self._covers[key] = (outsiders if covered else None, params, tuple(plans))
         return entry[0]
 
     def drop(self) -> None:
@@ -97,24 +106,32 @@ class ClipSources:
 
 class PlannedParameters(tuple):
     """A clip's parameters (a tuple of them, usable as such by any Comm) that carries the
-    step plans holding exactly their gradients."""
+    step plans holding exactly their gradients, the plans' sources and the params outside
+    the plans (which must hold no gradient: checked in C++ with the norm)."""
 
     plans: list
+    sources: list
+    outsiders: tuple
 
-    def __new__(cls, params, plans):
+    def __new__(cls, params, plans, sources=(), outsiders=()):
         self = super().__new__(cls, params)
         self.plans = plans
+        self.sources = list(sources)
+        self.outsiders = outsiders
         return self
 
 
 class PlannedGrads:
     """What Comm.clip_grads returns for PlannedParameters: the plans' gradients, left in
-    C++ (Comm.global_norm takes their norm in one call, ``_C.plans_l2_norm``)."""
+    C++ (Comm.global_norm takes their norm in one call, ``_C.plans_l2_norm``, which first
+    checks the sources and the outsiders, [Note: the plan's sources])."""
 
-    __slots__ = ("plans",)
+    __slots__ = ("plans", "sources", "outsiders")
 
-    def __init__(self, plans) -> None:
+    def __init__(self, plans, sources=(), outsiders=()) -> None:
         self.plans = plans
+        self.sources = sources
+        self.outsiders = outsiders
 
 
 def plans_of(optimizers: Sequence[torch.optim.Optimizer], lowp_of) -> Optional[list]:

@@ -152,7 +152,7 @@ class Comm:
         self.fold()
         if isinstance(parameters, PlannedParameters):
             # [Note: the clip shares the step plan] (engines/clip_sources.py)
-            return PlannedGrads(parameters.plans)
+            return PlannedGrads(parameters.plans, parameters.sources, parameters.outsiders)
         grad_of = self.precision.grad_of
         return [g for p in parameters if (g := grad_of(p)) is not None]
 
@@ -161,7 +161,7 @@ class Comm:
         """The norm of the whole gradient given this rank's ``grads`` (fp32 device
         scalar); ``check``: also OR inf/nan into this flag (2-norm only)."""
         if isinstance(grads, PlannedGrads):
-            total = kernels.plans_l2_norm(grads.plans, check)
+            total = kernels.plans_l2_norm(grads.plans, check, grads.sources, grads.outsiders)
             return torch.zeros((), device=self.device) if total is None else total
         if not grads:
             return torch.zeros((), device=self.device)

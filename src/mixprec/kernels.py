@@ -166,13 +166,15 @@ def _group_supported(optimizer: torch.optim.Optimizer, group: dict) -> bool:
 # optimizer's param_groups list and each group's params list (same object, same length),
 # its state dict (same object, same number of entries: a param's first state adds one),
 # and the low-precision target mapping (same object, same length). Checking that is
-# O(param groups) per step. Whatever replaces state tensors inside the same dicts calls
-# ``forget_plan``: torch's ``load_state_dict`` makes a new state dict (seen), mixprec's
-# checkpoint loads call it (engines/base.py, ``load_state_shards``). A user assigning
-# ``optimizer.state[p]["exp_avg"] = t`` by hand should call ``forget_plan(optimizer)``
-# (docs/design.md). Per step C++ reads the gradients itself and checks that each param and
-# gradient still fits the kernels; one that does not sends the step to the optimizer's own
-# code, the kernels having done nothing.
+# O(param groups) per step. An edit inside those containers at the same size (a list item
+# replaced, ``optimizer.state[p] = {}``, ``optimizer.state[p]["exp_avg"] = t``) is seen by
+# C++: the plan's ``PlanSource`` records every item's identity at build time and the step
+# and the clip compare them before using the plan ([Note: the plan's sources] in
+# csrc/bindings/step.cpp); a difference makes Python rebuild the plan. mixprec's checkpoint
+# loads drop the plan themselves (``forget_plan``; engines/base.py, ``load_state_shards``).
+# Per step C++ reads the gradients itself and checks that each param and gradient still
+# fits the kernels; one that does not sends the step to the optimizer's own code, the
+# kernels having done nothing.
 
 _NOTHING = object()
 

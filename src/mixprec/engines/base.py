@@ -701,9 +701,12 @@ class Engine:
 
         ``read(name, offset, numel)`` returns that flat range of a global tensor (assembled
         from whichever rank files hold it) and ``read.index`` maps every saved name to its
-        ``(shape, dtype)``. Callers validate names and shapes first; an implementation reads
-        everything it needs BEFORE changing anything, so a failure loads nothing. The
-        sharded backends read only their slices.
+        ``(shape, dtype)``. Callers validate names and shapes first, and every byte of the
+        checkpoint was verified by some rank before the ranks agreed to load ([Note: verified
+        shares] in checkpoint/reader.py). An implementation plans first (every lookup that can
+        fail: which name goes into which tensor) and only then reads, straight into the live
+        tensors ([Note: in-place load] in engines/replicated_state.py), so a failure before the
+        reads loads nothing. The sharded backends read only their slices.
 
         Example::
 

@@ -11,6 +11,10 @@ from torch import nn
 
 AUTOCAST_DTYPE = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+# Accelerators a test made in this process, ended after that test by tests/conftest.py (a
+# distributed backend on one process opens a one-process group the next test must not find).
+END_AFTER_TEST: list = []
+
 
 def make_mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)

@@ -22,6 +22,16 @@ def pytest_collection_modifyitems(config, items):
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _end_accelerators_after_the_test():
+    """End the Accelerators a test registered in ``_helpers.END_AFTER_TEST``."""
+    yield
+    from _helpers import END_AFTER_TEST
+
+    while END_AFTER_TEST:
+        END_AFTER_TEST.pop().end_training()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_process_group_outlives_its_file():
     """A test file that leaves this pytest process's default process group initialised (an

@@ -16,6 +16,7 @@ import torch
 from mixprec import Accelerator, DistributedType
 from mixprec.config.schema import BACKEND_NAMES
 from mixprec.engines import ENGINES
+from _helpers import END_AFTER_TEST
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "mixprec"
 ENGINE_NAMES = set(BACKEND_NAMES) - {"auto"}
@@ -68,15 +69,7 @@ def test_the_engine_classes_state_their_facts():
     assert {name for name, comm in ENGINES.items() if comm.owns_masters} == {"zero1", "zero2", "zero3", "fsdp"}
 
 
-_MADE: list = []
-
-
-@pytest.fixture(autouse=True)
-def _end_training():
-    """A distributed backend opens a one-process group: end it before the next test."""
-    yield
-    while _MADE:
-        _MADE.pop().end_training()
+_MADE = END_AFTER_TEST  # ended after each test by tests/conftest.py
 
 
 @pytest.mark.parametrize("backend, expected", [

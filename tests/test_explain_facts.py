@@ -26,6 +26,7 @@ from mixprec.config.resolve import engine_kwargs, resolve
 from mixprec.engines import ENGINES
 from mixprec.engines.zero import DEEPSPEED_SCALER
 from mixprec.policy import dtype_name
+from _helpers import END_AFTER_TEST
 
 _LOW = (torch.bfloat16, torch.float16)
 
@@ -46,15 +47,7 @@ CONFIGS = {
 _SKIP = {"fp16": ("zero2",), "bf16-params": ("zero1", "zero2", "fsdp")}
 CASES = [(c, b) for c in CONFIGS for b in BACKENDS if b not in _SKIP.get(c, ())]
 
-_MADE: list = []
-
-
-@pytest.fixture(autouse=True)
-def _end_training():
-    """A distributed backend opens a one-process group: end it before the next test."""
-    yield
-    while _MADE:
-        _MADE.pop().end_training()
+_MADE = END_AFTER_TEST  # ended after each test by tests/conftest.py
 
 
 def _model() -> nn.Module:

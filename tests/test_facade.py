@@ -12,16 +12,9 @@ import torch
 
 from mixprec import Accelerator, DistributedDataParallelKwargs
 from mixprec.facade import run as run_module
+from _helpers import END_AFTER_TEST
 
-_MADE: list = []
-
-
-@pytest.fixture(autouse=True)
-def _end_training():
-    """A ddp backend on one process opens a one-process group: end it before the next test."""
-    yield
-    while _MADE:
-        _MADE.pop().end_training()
+_MADE = END_AFTER_TEST  # ended after each test by tests/conftest.py
 
 
 def _settings(engine) -> tuple:

@@ -529,25 +529,22 @@ def fused_optimizer_step(
     C++ per step. Python's work is O(param groups) once the optimizer has state
     ([Note: the step plan]).
     """
-    plan = step_plan(optimizer, lowp_of)
-    if plan is None:
-        return False
     found = _on(found_inf, found_inf)
     scale = _on(inv_scale, inv_scale)
-    status = _C.fused_step(plan=plan, options=_options(optimizer), source=plan_source(optimizer), found_inf=found,
-                           grad_scale=scale, **finish)
-    if status == _STALE:
-        # A list item or state entry was replaced in place ([Note: the plan's sources]):
-        # nothing was done; the plan is rebuilt from the containers as they are now.
-        forget_plan(optimizer)
+    for _ in range(2):
         plan = step_plan(optimizer, lowp_of)
         if plan is None:
             return False
         status = _C.fused_step(plan=plan, options=_options(optimizer), source=plan_source(optimizer),
                                found_inf=found, grad_scale=scale, **finish)
+        if status != _STALE:
+            break
+        # A list item or state entry was replaced in place ([Note: the plan's sources]):
+        # nothing was done; the plan is rebuilt from the containers as they are now.
+        forget_plan(optimizer)
     if status == _DONE:
         return True
-    if status == _DECLINED:
+    if status in (_DECLINED, _STALE):  # _STALE twice: containers changing under us, torch's step
         forget_plan(optimizer)  # rebuilt (and checked again) at the next step
         return False
     # _NEEDS_STATE: the step that creates some param's state, as torch does it.

@@ -232,18 +232,18 @@ class HalfGemmMode(TorchFunctionMode):
         """``t`` in fp16 as autocast casts it: fp32 leaves that require grad cast once."""
         if t.dtype is _F16:
             return t
-        if t.is_leaf and t.requires_grad and torch.is_grad_enabled() and torch.is_autocast_cache_enabled():
-            # As autocast's cache: casts of leaf weights, made and reused only where autograd
-            # records them (a cast made under no_grad has no history to give a later use).
+        # As autocast's cache: casts of leaf weights, made and reused only where autograd
+        # records them (a cast made under no_grad has no history to give a later use).
+        cached = t.is_leaf and t.requires_grad and torch.is_grad_enabled() and torch.is_autocast_cache_enabled()
+        if cached:
             hit = self._casts.get(id(t))
             if hit is not None and hit[0] is t:
                 return hit[1]
-            with torch.autocast("cpu", enabled=False):
-                cast = t.to(_F16)
-            self._casts[id(t)] = (t, cast)
-            return cast
         with torch.autocast("cpu", enabled=False):
-            return t.to(_F16)
+            cast = t.to(_F16)
+        if cached:
+            self._casts[id(t)] = (t, cast)
+        return cast
 
 
 def _eligible(t) -> bool:

@@ -274,7 +274,7 @@ def _complete(tmp: Path, target: Path, reports: list, meta: dict) -> dict:
     for name, entry in tensors.items():
         check_coverage(name, entry)
     metadata = {**meta, "format_version": fmt.FORMAT_VERSION, "tensors": tensors, "files": files}
-    raw = json.dumps(metadata, indent=1, sort_keys=True).encode()
+    raw = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()  # the C encoder: 5x faster than indent=1
     with open(tmp / fmt.METADATA, "wb") as f:
         f.write(raw)
         f.flush()

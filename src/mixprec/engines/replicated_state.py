@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint.format import Shard, model_prefix
+from ..checkpoint.format import Shard, model_prefix, state_names_by_head
 from ..checkpoint.reader import read_into
 
 
@@ -68,7 +68,7 @@ def replicated_load_state_shards(precision, models: list[nn.Module], optimizers:
             dst = precision.master_of.get(id(t), t)
             key_of.setdefault(id(dst), (name if prefix == "model/" else prefix + name))
             plan.append((dst, prefix + name))
-    optim_states = []
+    optim_states, by_head = [], state_names_by_head(read.index)
     for j, optimizer in enumerate(optimizers):
         state, groups, index = {}, [], 0
         for group in optimizer.param_groups:
@@ -78,15 +78,13 @@ def replicated_load_state_shards(precision, models: list[nn.Module], optimizers:
                 head = f"optim/{j}/{key_of[id(p)]}/"
                 current = optimizer.state.get(p, {})
                 entries = {}
-                for n in read.index:
-                    if not n.startswith(head) or "/" in n[len(head):]:
-                        continue
+                for skey, n in by_head.get(head, {}).items():
                     shape, dtype = read.index[n]
-                    old = current.get(n[len(head):])
+                    old = current.get(skey)
                     reuse = (isinstance(old, torch.Tensor) and tuple(old.shape) == tuple(shape) and old.dtype == dtype
                              and old.is_contiguous())
                     dst = old if reuse else torch.empty(shape, dtype=dtype)
-                    entries[n[len(head):]] = dst
+                    entries[skey] = dst
                     plan.append((dst, n))
                 if entries:
                     state[index] = entries

@@ -22,7 +22,9 @@ import re
 # broadcast_object_list: mixprec's structure check, checkpoints, dataloader order) read the
 # received bytes through Tensor.numpy(); without it every multi-process run fails
 # (tests/test_dependencies.py, .ci/wheel_check.sh).
-REQUIRES = ["torch>=2.11,<2.14", "safetensors>=0.4", "pyyaml>=6", "numpy>=1.22"]
+# xxhash: checkpoint checksums at 20+ GB/s a core (xxh3_128; zlib's crc32, the fallback, runs at
+# about 7 GB/s, which adds ~15% to a cold load of a 600 MB checkpoint: docs/checkpointing.md).
+REQUIRES = ["torch>=2.11,<2.14", "safetensors>=0.4", "pyyaml>=6", "numpy>=1.22", "xxhash>=3.0"]
 
 
 def _pinned(requires, torch_version):

@@ -18,9 +18,9 @@ algorithm: ``{"bytes": n, "xxh3_128": "..."}`` for a file, ``"header": {...}`` f
 file's safetensors header, and ``"start"`` (byte offset in its file) plus ``"xxh3_128"`` on
 every slice of the shard table. Checksums are computed on the bytes as they are written
 and as they are read (one pass each), and a rank verifies only the slices it reads
-(checkpoint/reader.py, [Note: verified shares]). The writer uses xxh3_128 when the
-``xxhash`` package is installed (about 20 GB/s on one core) and zlib's crc32 otherwise
-(about 7 GB/s); checkpoints written before this format carry a ``sha256`` per whole file and
+(checkpoint/reader.py, [Note: verified shares]). The writer uses xxh3_128 from the
+``xxhash`` package, a dependency (about 20-28 GB/s on one core), and zlib's crc32 where
+xxhash cannot be imported (about 7 GB/s); checkpoints written before this format carry a ``sha256`` per whole file and
 still load (every file is then checked whole, as they always were).
 
 Every global tensor is identified by a name (``model/<param or buffer>``,

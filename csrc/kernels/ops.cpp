@@ -137,9 +137,10 @@ void foreach_copy(const TensorVec& dsts, const TensorVec& srcs) {
 // at::_amp_foreach_non_finite_check_and_unscale_: t *= inv_scale in fp32, found_inf set
 // to 1.0 when an element is inf/nan (never cleared), as this op's CPU path. torch's CUDA op
 // takes fp32, fp64 and fp16 only (torch 2.11 raises "not implemented for 'BFloat16'", seen on
-// an H200): any other dtype is done here with the same arithmetic, each element widened to
-// fp32, multiplied, rounded back, and found_inf set from the values before the multiply (as
-// the op checks them), without reading the flag on the host.
+// an H200): any other dtype is done here with the same arithmetic, an in-place multiply by
+// the fp32 inv_scale (computed in fp32, rounded once to the tensor's dtype), and found_inf
+// set from the values before the multiply (as the op checks them), without reading the flag
+// on the host.
 void foreach_unscale(const TensorVec& tensors, const at::Tensor& found_inf,
                      const at::Tensor& inv_scale) {
   const at::NoGradGuard no_grad;
@@ -151,9 +152,8 @@ void foreach_unscale(const TensorVec& tensors, const at::Tensor& found_inf,
       continue;
     }
     for (const auto& t : group.first) {
-      at::Tensor wide = t.to(at::kFloat);
-      flag.masked_fill_(wide.isfinite().all().logical_not(), 1.0);
-      t.copy_(wide.mul_(inv_scale));
+      flag.masked_fill_(t.isfinite().all().logical_not(), 1.0);
+      t.mul_(inv_scale);
     }
   }
 }

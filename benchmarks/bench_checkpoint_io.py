@@ -22,6 +22,29 @@ which an unprivileged process may do for clean pages of a file it can open). Med
 rounds. ``dd``: ``dd bs=4M conv=fsync`` of the same number of bytes, and a read back after
 the same page-cache drop (GB/s), for the disk's own speed.
 
+[Note: cold loads and free page reporting] A guest kernel that reports free pages to its
+hypervisor (``/sys/module/page_reporting``: the development machine, a Firecracker VM) runs
+a reporting pass about every 2 s while it has unreported free memory, each pass handing
+up to about 200 MB of free pages back to the host. Pages the page-cache drop just freed
+are among them, and a cold read that lands on handed-back pages pays a host fault per page:
+one pass inside a load's window adds 0.2-0.3 s of system time to a 0.2 s load (measured
+with ``passes``/``reported_kib`` from that folder, docs/checkpointing.md "Speed"). With
+contenders run back to back, whether the pass falls inside a contender's cold load is a
+matter of phase, and the phase is locked to the round's schedule, so one contender could
+be hit in most rounds of a run and another in none. ``--cold`` chooses the machine state
+every contender's cold load starts from, the same for all:
+
+- ``between-passes`` (default): rank 0 waits for a reporting pass to end (at most 3 s),
+  then drops the cache, so the load runs in the ~2 s before the next pass: the disk and
+  the page cache, nothing handed back.
+- ``settled``: drop the cache, then wait until the kernel has stopped reporting (no pass
+  for 2.5 s, at most 15 s): the freed memory is back with the host, as on a machine that
+  has been idle before a resume, and every read pays its host faults.
+- ``immediate``: drop and load at once (the earlier figures; the phase decides).
+
+Where the folder does not exist (bare metal, most clouds' kernels) the three are the same
+and no wait is made.
+
     python benchmarks/bench_checkpoint_io.py                 # ~3 min on 2 busy cores
     python benchmarks/bench_checkpoint_io.py --quick         # smoke run (small model)
 """
@@ -62,6 +85,45 @@ def drop_cache(folder: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+REPORTING = Path("/sys/module/page_reporting/parameters")
+COLD_MODES = ("between-passes", "settled", "immediate")
+
+
+def _reporting_passes() -> int | None:
+    try:
+        return int((REPORTING / "passes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_for_pass(timeout: float) -> bool:
+    """Return when the guest's next free-page-reporting pass has ended (True), or after
+    ``timeout`` seconds without one (False) ([Note: cold loads and free page reporting])."""
+    start = _reporting_passes()
+    if start is None:
+        return False
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if _reporting_passes() != start:
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def cold_drop(folder: Path, mode: str) -> None:
+    """Drop ``folder`` from the page cache, leaving the machine in the state ``mode`` names
+    ([Note: cold loads and free page reporting])."""
+    if mode not in COLD_MODES:
+        raise ValueError(f"cold mode {mode!r}; choose from {COLD_MODES}")
+    if mode == "between-passes":
+        _wait_for_pass(3.0)
+    drop_cache(folder)
+    if mode == "settled" and _reporting_passes() is not None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15.0 and _wait_for_pass(2.5):
+            pass
 
 
 def fsync_tree(folder: Path) -> None:
@@ -164,7 +226,7 @@ def _rank_main(state, args: dict):
             t_save = _timed(lambda: save(d))
             t_warm = _timed(lambda: load(d))
             if rank == 0:
-                drop_cache(d)
+                cold_drop(d, args["cold"])
             dist.barrier()
             t_cold = _timed(lambda: load(d))
             dist.barrier()
@@ -183,7 +245,7 @@ def _rank_main(state, args: dict):
             for n, t in times.items()}
 
 
-def dd_figures(root: Path, nbytes: int) -> dict:
+def dd_figures(root: Path, nbytes: int, cold: str = "between-passes") -> dict:
     """dd's write (conv=fsync) and cold read of ``nbytes`` in ``root`` (GB/s)."""
     f = root / "dd.bin"
     count = max(1, nbytes // (4 << 20))
@@ -194,24 +256,26 @@ def dd_figures(root: Path, nbytes: int) -> dict:
         return count * (4 << 20) / (time.perf_counter() - t0) / 1e9
 
     write = rate(["dd", "if=/dev/zero", f"of={f}", "bs=4M", f"count={count}", "conv=fsync"])
-    drop_cache(root)
+    cold_drop(root, cold)
     read = rate(["dd", f"if={f}", "of=/dev/null", "bs=4M"])
     f.unlink()
     return {"write_GBps": write, "read_cold_GBps": read}
 
 
-def measure(*, layers: int = 12, width: int = 2048, rounds: int = 5, only=CONTENDERS, root=None) -> dict:
+def measure(*, layers: int = 12, width: int = 2048, rounds: int = 5, only=CONTENDERS, root=None,
+            cold: str = "between-passes") -> dict:
     root = Path(root or tempfile.mkdtemp(prefix="bench_ckpt_io_", dir=os.environ.get("BENCH_CKPT_DIR", "/tmp")))
     root.mkdir(parents=True, exist_ok=True)
     nbytes = 3 * layers * (width * width + width) * 4
     try:
-        dd = [dd_figures(root, nbytes) for _ in range(3)]
-        args = dict(layers=layers, width=width, rounds=rounds, only=list(only), root=str(root))
+        dd = [dd_figures(root, nbytes, cold) for _ in range(3)]
+        args = dict(layers=layers, width=width, rounds=rounds, only=list(only), root=str(root), cold=cold)
         res = run_distributed(_rank_main, 2, args=(args,), timeout=3600)[0]
-        dd += [dd_figures(root, nbytes) for _ in range(3)]
+        dd += [dd_figures(root, nbytes, cold) for _ in range(3)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"checkpoint_bytes": nbytes, "rounds": rounds, "world": 2, "contenders": res,
+    return {"checkpoint_bytes": nbytes, "rounds": rounds, "world": 2, "contenders": res, "cold": cold,
+            "page_reporting": _reporting_passes() is not None,
             "dd": {k: statistics.median(d[k] for d in dd) for k in dd[0]}, "dd_samples": dd}
 
 
@@ -220,6 +284,8 @@ def report(res: dict) -> None:
     print(f"checkpoint {res['checkpoint_bytes'] / 1e6:.0f} MB, world {res['world']}, medians of {res['rounds']} "
           f"rounds (contenders alternating); dd: write+fsync {res['dd']['write_GBps']:.2f} GB/s, "
           f"cold read {res['dd']['read_cold_GBps']:.2f} GB/s")
+    print(f"cold loads: --cold {res['cold']}" + ("" if res["page_reporting"] else " (no free page reporting here: "
+                                                   "the same as immediate)"))
     peer = res["contenders"].get(PEER)
     print(f"{'contender':16s} {'save s':>8s} {'GB/s':>6s} {'warm s':>8s} {'cold s':>8s} {'GB/s':>6s}"
           + ("   ratio to torch_dcp: save warm cold" if peer else ""))
@@ -241,11 +307,13 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=list(CONTENDERS), choices=CONTENDERS)
+    ap.add_argument("--cold", default="between-passes", choices=COLD_MODES,
+                    help="the machine state a cold load starts from ([Note: cold loads and free page reporting])")
     ap.add_argument("--json", type=str, default=None, help="write the results here")
     a = ap.parse_args()
     if a.quick:
         a.layers, a.width, a.rounds = 2, 512, 2
-    res = measure(layers=a.layers, width=a.width, rounds=a.rounds, only=a.only)
+    res = measure(layers=a.layers, width=a.width, rounds=a.rounds, only=a.only, cold=a.cold)
     report(res)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))

@@ -239,7 +239,10 @@ def _write_rank_files(state, tmp: Path, shards: list, rank_state: dict, objects:
 
 
 def write_safetensors_synced(f, entries, produce) -> dict:
-    record = fmt.write_safetensors(f, entries, produce)
+    """The rank's tensor file: ``produce`` hands out views of the live state, which stay as
+    they are until the save returns, so pieces may wait for their region ([Note: aligned
+    writes] in checkpoint/format.py)."""
+    record = fmt.write_safetensors(f, entries, produce, hold=True)
     f.flush()
     os.fsync(f.fileno())
     return record

@@ -328,10 +328,12 @@ class _RegionWriter:
     def add(self, piece: memoryview, stable: bool = True) -> None:
         if self.fd is None:
             self.f.write(piece)
+            self.pos += len(piece)
             return
         self.parts.append(piece)
         self.pending += len(piece)
-        if not stable or (self.pos + self.pending) % CHUNK_BYTES == 0 or len(self.parts) >= self.MAX_PARTS:
+        if (not stable or len(self.parts) >= self.MAX_PARTS
+                or self.pos // CHUNK_BYTES != (self.pos + self.pending) // CHUNK_BYTES):  # reached a boundary
             self.flush()
 
     def room(self) -> int:
@@ -356,23 +358,27 @@ def _write_chunks(out: _RegionWriter, flat: torch.Tensor, digest, scratch: Optio
     """Write the 1-D ``flat`` through ``out`` in pieces that end at its region boundaries
     ([Note: aligned writes]), feeding ``digest``; returns the staging buffer (made on first
     need, reused by the caller for the next tensor)."""
+    if flat.device.type == "cpu" and flat.is_contiguous():  # bytes from its own memory, cut anywhere
+        data = memoryview(flat.view(torch.uint8).numpy())
+        lo = 0
+        while lo < len(data):
+            chunk = data[lo: lo + out.room()]
+            digest.update(chunk)
+            out.add(chunk)
+            lo += len(chunk)
+        return scratch
     size = flat.element_size()
-    direct = flat.device.type == "cpu" and flat.is_contiguous()
-    data = memoryview(flat.view(torch.uint8).numpy()) if direct else None
     total, lo = flat.numel(), 0
     while lo < total:
-        n = min(max(1, out.room() // size), total - lo)
-        if direct:
-            chunk = data[lo * size: (lo + n) * size]
-        else:
-            if scratch is None:
-                scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8,
-                                      pin_memory=flat.device.type == "cuda" and torch.cuda.is_available())
-            staged = scratch[: n * size].view(flat.dtype)
-            staged.copy_(flat.narrow(0, lo, n))
-            chunk = memoryview(staged.view(torch.uint8).numpy())
+        n = min(max(1, out.room() // size), total - lo)  # whole elements: one may cross a boundary
+        if scratch is None:
+            scratch = torch.empty(CHUNK_BYTES, dtype=torch.uint8,
+                                  pin_memory=flat.device.type == "cuda" and torch.cuda.is_available())
+        staged = scratch[: n * size].view(flat.dtype)
+        staged.copy_(flat.narrow(0, lo, n))
+        chunk = memoryview(staged.view(torch.uint8).numpy())
         digest.update(chunk)
-        out.add(chunk, stable=direct)  # the staging buffer is reused: written at once
+        out.add(chunk, stable=False)  # the staging buffer is reused: written at once
         lo += n
     return scratch
 

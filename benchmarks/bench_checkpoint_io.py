@@ -25,18 +25,18 @@ the same page-cache drop (GB/s), for the disk's own speed.
 [Note: cold loads and free page reporting] A guest kernel that reports free pages to its
 hypervisor (``/sys/module/page_reporting``: the development machine, a Firecracker VM) runs
 a reporting pass about every 2 s while it has unreported free memory, each pass handing
-up to about 200 MB of free pages back to the host. Pages the page-cache drop just freed
-are among them, and a cold read that lands on handed-back pages pays a host fault per page:
-one pass inside a load's window adds 0.2-0.3 s of system time to a 0.2 s load (measured
-with ``passes``/``reported_kib`` from that folder, docs/checkpointing.md "Speed"). With
-contenders run back to back, whether the pass falls inside a contender's cold load is a
-matter of phase, and the phase is locked to the round's schedule, so one contender could
-be hit in most rounds of a run and another in none. ``--cold`` chooses the machine state
-every contender's cold load starts from, the same for all:
+up to about 200 MB of free pages back to the host. A read whose page cache lands on
+handed-back pages pays a host fault per page, seen as system time: one pass between the
+drop of a 600 MB file and its cold read took the read from 0.16 s to 0.43-0.78 s
+(``passes``/``reported_kib`` in that folder). Which free memory a cold read gets also
+depends on how the dropped files were written ([Note: aligned writes] in
+src/mixprec/checkpoint/format.py, docs/checkpointing.md "Speed"). Whether a pass falls
+inside a contender's cold load is a matter of the round's timing, so ``--cold`` fixes the
+machine state every contender's cold load starts from, the same for all:
 
 - ``between-passes`` (default): rank 0 waits for a reporting pass to end (at most 3 s),
-  then drops the cache, so the load runs in the ~2 s before the next pass: the disk and
-  the page cache, nothing handed back.
+  then drops the cache, so the load runs in the ~2 s before the next pass, on memory the
+  drop has just freed and no pass has handed back.
 - ``settled``: drop the cache, then wait until the kernel has stopped reporting (no pass
   for 2.5 s, at most 15 s): the freed memory is back with the host, as on a machine that
   has been idle before a resume, and every read pays its host faults.
@@ -45,7 +45,7 @@ every contender's cold load starts from, the same for all:
 Where the folder does not exist (bare metal, most clouds' kernels) the three are the same
 and no wait is made.
 
-    python benchmarks/bench_checkpoint_io.py                 # ~3 min on 2 busy cores
+    python benchmarks/bench_checkpoint_io.py                 # ~4 min on 2 busy cores
     python benchmarks/bench_checkpoint_io.py --quick         # smoke run (small model)
 """
 

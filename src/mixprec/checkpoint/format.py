@@ -344,6 +344,8 @@ class _RegionWriter:
         parts = self.parts
         while parts:
             n = os.writev(self.fd, parts)
+            if n <= 0:  # a regular file takes at least a byte or raises (ENOSPC, EIO)
+                raise OSError(f"writev wrote nothing at byte {self.pos} of the file; nothing more was written")
             self.pos += n
             self.pending -= n
             while parts and n >= len(parts[0]):

@@ -46,7 +46,6 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -152,12 +151,6 @@ def _config_env(args: argparse.Namespace) -> dict[str, str]:
         raise SystemExit(f"mixprec launch: error: the configuration the ranks would get is invalid; no rank "
                          f"was started:\n{e}") from None
     return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- shared files
@@ -573,7 +566,11 @@ def _run(args: argparse.Namespace) -> int:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    port = args.master_port if args.master_port is not None else _free_port()
+    from .distributed.rendezvous import register_launch_rendezvous
+
+    # 0: node 0's store takes a free port in the bind itself ([Note: the launcher's store]
+    # in src/mixprec/distributed/rendezvous.py); only a multi-node run needs it fixed.
+    port = args.master_port if args.master_port is not None else 0
     with tempfile.TemporaryDirectory(prefix="mixprec-launch-") as tmp:
         d = Path(tmp)
         os.environ[LAUNCH_DIR_ENV] = str(d)
@@ -594,6 +591,7 @@ def _run(args: argparse.Namespace) -> int:
             *args.script_args,
         ]
         config, cmd, cmd_args = config_from_args(parse_args(torchrun_argv))
+        config.rdzv_backend = register_launch_rendezvous()  # torch's static one, bound where asked
         if hasattr(config, "shutdown_timeout"):
             config.shutdown_timeout = max(1, int(args.kill_after))
         several = args.nnodes > 1

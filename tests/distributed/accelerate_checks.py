@@ -232,12 +232,18 @@ def load(script: str, library: str, tmp: Path):
     return module
 
 
-def _free_port() -> int:
-    import socket
+def hosted_store(timeout_s: float = 900.0):
+    """A rendezvous store hosted by this process (tests/distributed/harness.py's, importable
+    here when this file runs as a script)."""
+    from harness import hosted_store as hosted
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return hosted(timeout_s)
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict:
+    from mixprec.distributed.spawn import rank_env as env
+
+    return env(rank, world_size, port)
 
 
 def run_checks(library: str, world_size: int, names: list[str], out: Path,
@@ -251,6 +257,8 @@ def run_checks(library: str, world_size: int, names: list[str], out: Path,
     import subprocess
     import time
 
+    from mixprec.distributed.rendezvous import host_store
+
     results: dict[str, str] = {}
     remaining = list(names)
     attempt = 0
@@ -258,12 +266,10 @@ def run_checks(library: str, world_size: int, names: list[str], out: Path,
         attempt += 1
         d = out / f"{library}-w{world_size}-{attempt}"
         d.mkdir(parents=True)
-        port = _free_port()
+        store = host_store(timeout_s=900)  # the ranks join it ([Note: a store bound where it is asked to listen])
         procs, logs = [], []
         for rank in range(world_size):
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1")
+            env = dict(os.environ, **rank_env(rank, world_size, store.port), OMP_NUM_THREADS="1")
             logs.append(open(d / f"stdout{rank}.txt", "w"))
             procs.append(subprocess.Popen(
                 [python, __file__, library, str(d), *remaining], env=env,
@@ -289,6 +295,7 @@ def run_checks(library: str, world_size: int, names: list[str], out: Path,
             if p.poll() is None:
                 p.kill()
             p.wait()
+        del store
         for f in logs:
             f.close()
         per_rank = reported()

@@ -36,6 +36,7 @@ test.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -46,9 +47,35 @@ import traceback
 from typing import Any, Callable, Optional
 
 from mixprec.distributed import spawn as _spawn
-from mixprec.distributed.spawn import RankFailedError, free_port
+from mixprec.distributed.rendezvous import host_store
+from mixprec.distributed.spawn import RankFailedError, free_port, rank_env
 
-__all__ = ["RankFailedError", "close_pools", "free_port", "run_distributed"]
+__all__ = ["RankFailedError", "close_pools", "free_port", "hosted_store", "rank_env", "retry_on_port_taken",
+           "run_distributed"]
+
+
+def retry_on_port_taken(run, tries: int = 3):
+    """``run(port)`` for a run whose port must be fixed in advance (a multi-node launch: every
+    node is given node 0's port), which another process may take before node 0 binds it: when
+    ``repr`` of the result shows EADDRINUSE, again with a new port, up to ``tries`` times."""
+    for _ in range(tries - 1):
+        result = run(str(free_port()))
+        if "Address already in use" not in repr(result):
+            return result
+    return run(str(free_port()))
+
+
+@contextlib.contextmanager
+def hosted_store(timeout_s: float = 900.0):
+    """For a test that starts its rank processes itself: a rendezvous store hosted by this
+    process on 127.0.0.1 at a port bound once; yields the port. Each rank's environment is
+    ``rank_env(rank, world_size, port)`` ([Note: a store bound where it is asked to listen]
+    in src/mixprec/distributed/rendezvous.py)."""
+    store = host_store(timeout_s=timeout_s)
+    try:
+        yield store.port
+    finally:
+        del store
 
 _READY_TIMEOUT_S = 60.0  # a worker's teardown after a call; longer means a stuck rank: replaced
 _START_TIMEOUT_S = 600.0  # a new worker's imports (minutes on a loaded 2-core machine)
@@ -146,7 +173,17 @@ class _Pool:
 
     def run(self, fn, args: tuple, env: dict, timeout: float) -> list:
         world_size = self.world_size
-        job = (fn, args, dict(os.environ), env, os.getcwd(), list(sys.path), world_size, free_port(), timeout)
+        # The parent hosts the job's store on a port bound once: no rank races another
+        # process for it ([Note: a store bound where it is asked to listen]).
+        store = host_store(timeout_s=timeout)
+        try:
+            return self._run(store.port, fn, args, env, timeout)
+        finally:
+            del store
+
+    def _run(self, port: int, fn, args: tuple, env: dict, timeout: float) -> list:
+        world_size = self.world_size
+        job = (fn, args, dict(os.environ), env, os.getcwd(), list(sys.path), world_size, port, timeout)
         deadline = time.monotonic() + timeout
         for rank, conn in enumerate(self.conns):
             conn.send_bytes(pickle.dumps((rank, job)))
@@ -233,8 +270,7 @@ def _call(rank: int, job: tuple):
         os.environ.clear()
         os.environ.update(environ)
         os.environ.update(env)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(rank_env(rank, world_size, port))
         os.chdir(cwd)
         sys.path[:] = path
         state = init_distributed(torch.device("cpu"), timeout=datetime.timedelta(seconds=timeout))

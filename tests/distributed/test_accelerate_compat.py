@@ -99,22 +99,21 @@ def test_accelerate_scripts_pass_under_mixprec(world, tmp_path):
 
 
 def _spawn(script: Path, world: int, env: dict, cwd: Path, timeout: float = 240) -> None:
-    port = ac._free_port()
     procs = []
-    for rank in range(world):
-        e = dict(os.environ, **env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                 LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                 OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=e, cwd=cwd,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    with ac.hosted_store() as port:
+        for rank in range(world):
+            e = dict(os.environ, **env, **ac.rank_env(rank, world, port), OMP_NUM_THREADS="1",
+                     ACCELERATE_USE_CPU="true")
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=e, cwd=cwd,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            for p in procs:
+                outputs.append(p.communicate(timeout=timeout)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
     failed = [rank for rank, p in enumerate(procs) if p.returncode != 0]
     assert not failed, "\n".join(f"rank {r} of {script.name} exited {procs[r].returncode}:\n{outputs[r][-3000:]}"
                                  for r in failed)

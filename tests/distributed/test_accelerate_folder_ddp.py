@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from harness import free_port, run_distributed
+from harness import hosted_store, rank_env, run_distributed
 
 pytest.importorskip("accelerate")
 
@@ -28,23 +28,21 @@ import _accelerate_folder_run as R  # noqa: E402 (tests/ is on sys.path: tests/d
 
 
 def _accelerate_ddp(folder, out, world: int = 2, timeout: float = 300) -> None:
-    port = free_port()
     procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
-        procs.append(subprocess.Popen([sys.executable, R.__file__, str(folder), str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with hosted_store() as port:
+        for rank in range(world):
+            env = dict(os.environ, **rank_env(rank, world, port), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
+            procs.append(subprocess.Popen([sys.executable, R.__file__, str(folder), str(out)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            for p in procs:
+                outputs.append(p.communicate(timeout=timeout)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
     assert not failed, "\n".join(f"Accelerate rank {r} exited {procs[r].returncode}:\n{outputs[r][-3000:]}"
                                  for r in failed)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port, run_distributed
+from harness import hosted_store, rank_env, run_distributed
 
 SCRIPT = Path(__file__).with_name("_desync_script.py")
 TIMEOUT_S = 3  # collective_timeout of the cases
@@ -35,27 +35,26 @@ def _line(mark: str) -> str:
 
 def _run(tmp_path, case: str, timeout_s: float = TIMEOUT_S):
     """Both ranks' (exit code, output) and the wall time; fails if they outlive BOUND_S."""
-    port = free_port()
     procs, files = [], []
     start = time.monotonic()
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        env.pop("MIXPREC_LAUNCH_DIR", None)
-        f = open(tmp_path / f"{case}_rank{rank}.log", "w+")
-        files.append(f)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), case, str(timeout_s)], env=env,
-                                      stdout=f, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.1, BOUND_S - (time.monotonic() - start)))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"case {case!r} still running after {BOUND_S} s: a rank hangs")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+    with hosted_store() as port:
+        for rank in range(2):
+            env = dict(os.environ, **rank_env(rank, 2, port), OMP_NUM_THREADS="1")
+            env.pop("MIXPREC_LAUNCH_DIR", None)
+            f = open(tmp_path / f"{case}_rank{rank}.log", "w+")
+            files.append(f)
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), case, str(timeout_s)], env=env,
+                                          stdout=f, stderr=subprocess.STDOUT))
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.1, BOUND_S - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"case {case!r} still running after {BOUND_S} s: a rank hangs")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
     ended = time.time()
     outs = []
     for f in files:
@@ -418,21 +417,20 @@ def test_watchdog_thread_ends_a_rank_blocked_on_a_failed_peer(tmp_path):
     and ends the rank with exit code 88, quoting the failure, not blaming a collective."""
     script = tmp_path / "blocked.py"
     script.write_text(_BLOCKED_IN_BACKEND)
-    port = free_port()
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        env.pop("MIXPREC_LAUNCH_DIR", None)
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        out0 = procs[0].communicate(timeout=BOUND_S)[0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+    with hosted_store() as port:
+        for rank in range(2):
+            env = dict(os.environ, **rank_env(rank, 2, port), OMP_NUM_THREADS="1")
+            env.pop("MIXPREC_LAUNCH_DIR", None)
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        try:
+            out0 = procs[0].communicate(timeout=BOUND_S)[0]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate()
     assert procs[0].returncode == 88, out0  # mixprec.distributed.watchdog.PEER_FAILED_EXIT_CODE
     assert ("[mixprec rank 0] stopping (exit code 88): rank 1 (node 1, local rank 0, pid "
             in out0 and ") raised ValueError: boom on node 1 first" in out0), out0

@@ -6,7 +6,7 @@ import textwrap
 import time
 
 import pytest
-from harness import free_port
+from harness import free_port, retry_on_port_taken
 
 SUPERVISION_BOUND_S = 10.0
 
@@ -70,6 +70,54 @@ def test_two_processes_run_and_see_their_env(tmp_path):
         assert info["total"] == 3.0 and info["argv"] == ["--lr", "3"] and info["main"] == "__main__"
 
 
+_LISTENING = """
+def listening(pid):
+    \"\"\"[(address, port)] of the TCP sockets process ``pid`` listens on (/proc/net/tcp{,6}).\"\"\"
+    import ipaddress
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in open(table).read().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+            found.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return found
+"""
+
+
+def test_single_node_store_listens_on_loopback_only(tmp_path):
+    """Issue 46, point 3: the launcher's rendezvous store (and every rank's socket) listens on
+    127.0.0.1 only, at the port the ranks were given; torch's own static rendezvous would
+    listen on every interface."""
+    script = _script(tmp_path, _LISTENING + textwrap.dedent("""
+        barrier(state)
+        info = {"launcher": listening(int(os.environ["MIXPREC_LAUNCHER_PID"])), "rank": listening(os.getpid()),
+                "port": int(os.environ["MASTER_PORT"]), "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")}
+        (out / f"listen{state.rank}.json").write_text(json.dumps(info))
+        barrier(state)
+        destroy_distributed(state)
+    """))
+    proc = _launch("--nproc-per-node", "2", script, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    for r in range(2):
+        info = json.loads((tmp_path / f"listen{r}.json").read_text())
+        assert [info["port"]] == [port for _, port in info["launcher"]], info  # the store, nothing else
+        assert info["agent_store"] == "True", info  # the ranks joined it as clients
+        for addr, port in info["launcher"] + info["rank"]:
+            assert addr == "127.0.0.1", (r, addr, port, info)
+
+
 def _supervised_failure(tmp_path, rank0_body: str):
     script = _script(tmp_path, f"""
         barrier(state)
@@ -126,21 +174,23 @@ def test_two_nodes_on_loopback(tmp_path):
         (out / f"rank{state.rank}.json").write_text(json.dumps([state.node_rank, state.world_size, total]))
         destroy_distributed(state)
     """)
-    port = str(free_port())
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), script, str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for n in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert [p.returncode for p in procs] == [0, 0], outs
+
+    def run(port):
+        common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+        procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), script,
+                                   str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for n in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        return [p.returncode for p in procs], outs
+
+    codes, outs = retry_on_port_taken(run)
+    assert codes == [0, 0], outs
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[0, 2, 11.0], [1, 2, 11.0]]
 
 
@@ -208,7 +258,10 @@ for step, (x, y) in enumerate(loader):
 def _two_launchers(tmp_path, script: str, extra=(), timeout=90):
     """Start `mixprec launch --nnodes 2 --node-rank {0,1} --nproc-per-node 1` on loopback;
     return [(returncode, stderr, time it ended)] for nodes 0 and 1."""
-    port = str(free_port())
+    return retry_on_port_taken(lambda port: _two_launchers_at(port, tmp_path, script, extra, timeout))
+
+
+def _two_launchers_at(port: str, tmp_path, script: str, extra, timeout):
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, *extra]
     procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), script,
                                str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -253,12 +306,16 @@ def test_a_lone_node_says_what_it_waits_for_and_gives_up(tmp_path):
     """Issue 29, point 3: node 0 started alone (and node 1 started alone, on another port)
     say what they wait for, at once, and fail clearly at --join-timeout."""
     (tmp_path / "x.py").write_text("")
-    ports = [str(free_port()), str(free_port())]
-    procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", "--nnodes", "2", "--node-rank", str(n),
-                               "--master-port", ports[n], "--join-timeout", "4", "x.py"], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
-    errs = [p.communicate(timeout=90)[1] for p in procs]
-    assert [p.returncode for p in procs] == [1, 1], errs
+
+    def run(port0):
+        ports = [port0, str(free_port())]
+        procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", "--nnodes", "2", "--node-rank", str(n),
+                                   "--master-port", ports[n], "--join-timeout", "4", "x.py"], cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+        return ports, [p.communicate(timeout=90)[1] for p in procs], [p.returncode for p in procs]
+
+    ports, errs, codes = retry_on_port_taken(run)
+    assert codes == [1, 1], errs
     assert f"[mixprec launch] node 0: waiting for 1 of 2 nodes at 127.0.0.1:{ports[0]} (timeout 4 s, waited " in errs[0]
     assert f"[mixprec launch] node 1: waiting for node 0: nothing answers there yet at 127.0.0.1:{ports[1]} " \
            f"(timeout 4 s, waited " in errs[1]

@@ -52,6 +52,119 @@ def connect(addr: str, port: int, timeout_s: float):
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+# [Note: a store bound where it is asked to listen]
+# torch's TCPStore server binds every interface ("*:<port>", IPv6 and IPv4) whatever host
+# name it is given, and a port chosen by binding port 0, closing it and handing the number
+# on can be taken by another process before the store binds it again (EADDRINUSE: seen in
+# the suite, two test files starting ranks at once). ``host_store`` binds the listening
+# socket itself, on the address asked for only, at port 0 when no port is given (the kernel
+# picks a free one in the same call that binds it: nothing can take it in between), and
+# hands the socket to the server (``master_listen_fd``). The ranks then join as clients
+# (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's own switch for a store hosted by the
+# launcher): the store's lifetime is its host's, and no rank has to win a bind race.
+# torch's store has no authentication: whoever reaches the port can read and write it.
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def host_store(addr: str = "127.0.0.1", port: int = 0, *, world_size: Optional[int] = None,
+               wait_for_workers: bool = False, timeout_s: float = 300.0):
+    """A TCPStore server listening on ``addr:port`` only ([Note: a store bound where it is
+    asked to listen]); ``port=0`` takes a free port atomically. Returns the store; its
+    ``.port`` is the port bound. ``world_size``/``wait_for_workers`` as in ``TCPStore``
+    (the server counts as one worker). Raises ``OSError`` naming the address when the bind
+    fails (EADDRINUSE for a taken port, EADDRNOTAVAIL for an address of another host)."""
+    import torch.distributed as dist
+
+    infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    family, _, _, _, sockaddr = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover, not a listener
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {addr}:{port} for the rendezvous store: {e.strerror}") from None
+        sock.listen(4096)
+        bound = sock.getsockname()[1]
+        store = dist.TCPStore(addr, bound, world_size, True, datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=wait_for_workers, master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the server owns the descriptor now (it closes it when it stops)
+    return store
+
+
+def agent_store_env(port: int, addr: str = "127.0.0.1") -> dict:
+    """The environment that makes ranks join a store hosted by their parent (``host_store``)."""
+    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port), AGENT_STORE_ENV: "True"}
+
+
+# [Note: the launcher's store]
+# ``mixprec launch`` runs torchelastic's static rendezvous, whose node-0 agent starts the
+# TCPStore that every launcher and rank joins. torch's static handler binds it on every
+# interface at a port fixed before the agent starts. mixprec's handler (LAUNCH_RDZV_BACKEND,
+# registered by ``register_launch_rendezvous``) is that handler with the store from
+# ``host_store``:
+# - on one node (the default ``--master-addr 127.0.0.1``) it listens on loopback only, at a
+#   port the kernel picks in the bind itself when ``--master-port`` is omitted: no other
+#   host can reach it and no other process can take the port first;
+# - with ``--nnodes > 1``, node 0 listens on ``--master-addr`` only (the address the other
+#   nodes dial); where that is not an address of node 0 itself (a NAT'd or floating
+#   address), on every interface, as torchrun does, and says so.
+# The ranks learn the bound port from the rendezvous (MASTER_PORT) and join as clients.
+LAUNCH_RDZV_BACKEND = "mixprec-static"
+
+
+def _launch_handler(params):
+    from torch.distributed import PrefixStore, TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
+
+    class BoundStaticRendezvous(StaticTCPRendezvous):
+        """torch's static rendezvous with node 0's store bound by :func:`host_store`."""
+
+        def get_backend(self) -> str:
+            return LAUNCH_RDZV_BACKEND
+
+        def next_rendezvous(self):
+            if not self._store:
+                timeout_s = self.timeout.total_seconds()
+                if self.rank != 0:
+                    self._store = TCPStore(self.master_addr, self.master_port, self.world_size, False,
+                                           self.timeout, multi_tenant=True)
+                else:
+                    try:
+                        self._store = host_store(self.master_addr, self.master_port, world_size=self.world_size,
+                                                 wait_for_workers=True, timeout_s=timeout_s)
+                    except OSError as e:
+                        import errno
+
+                        if e.errno != errno.EADDRNOTAVAIL or self.world_size == 1:
+                            raise
+                        print(f"[mixprec launch] node 0: --master-addr {self.master_addr} is not an address of "
+                              f"this host; the rendezvous store listens on every interface at port "
+                              f"{self.master_port}", file=sys.stderr, flush=True)
+                        self._store = host_store("0.0.0.0", self.master_port, world_size=self.world_size,
+                                                 wait_for_workers=True, timeout_s=timeout_s)
+                    self.master_port = self._store.port
+            return RendezvousInfo(PrefixStore(self.run_id, self._store), self.rank, self.world_size,
+                                  RendezvousStoreInfo(self.master_addr, self.master_port))
+
+    base = create_rdzv_handler(params)
+    return BoundStaticRendezvous(base.master_addr, base.master_port, base.rank, base.world_size, base.run_id,
+                                 int(base.timeout.total_seconds()))
+
+
+def register_launch_rendezvous() -> str:
+    """Register mixprec's static rendezvous with torchelastic (idempotent); returns its name
+    ([Note: the launcher's store])."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(LAUNCH_RDZV_BACKEND, _launch_handler)
+    return LAUNCH_RDZV_BACKEND
+
+
 def failure_record(*, rank: int, local_rank: int, node_rank: int, pid: int, exc: Optional[BaseException],
                    traceback_text: Optional[str], reason: str) -> dict:
     """The record of a failed rank, as published and as printed by :func:`describe`."""
@@ -156,4 +269,5 @@ class JoinWatch(threading.Thread):
                 last = (state, time.monotonic())
 
 
-__all__ = ["FAILURE_KEY", "JoinWatch", "connect", "describe", "failure_record", "publish_failure", "read_failure"]
+__all__ = ["AGENT_STORE_ENV", "FAILURE_KEY", "JoinWatch", "LAUNCH_RDZV_BACKEND", "agent_store_env", "connect",
+           "host_store", "register_launch_rendezvous", "describe", "failure_record", "publish_failure", "read_failure"]

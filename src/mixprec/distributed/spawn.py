@@ -44,22 +44,26 @@ class RankFailedError(AssertionError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago. Another process may take it before
+    it is bound again: for a rendezvous, host the store instead
+    (:func:`mixprec.distributed.rendezvous.host_store`, as :func:`run_distributed` does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def rank_env(rank: int, world_size: int, port: int) -> dict:
+    """The variables of rank ``rank`` joining the store its parent hosts at 127.0.0.1:``port``
+    ([Note: a store bound where it is asked to listen] in src/mixprec/distributed/rendezvous.py)."""
+    from .rendezvous import agent_store_env
+
+    return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size), **agent_store_env(port))
+
+
 def _child(fn, rank: int, world_size: int, port: int, args: tuple, env: dict, timeout: float, results) -> None:
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(rank_env(rank, world_size, port))
     import torch
 
     from mixprec.distributed import destroy_distributed, init_distributed
@@ -103,9 +107,12 @@ def run_distributed(
     """Run ``fn(state, *args)`` on ``world_size`` spawned ranks; return their results in rank order."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    from .rendezvous import host_store
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = host_store(timeout_s=timeout)  # the ranks join it; it lives until they are done
+    port = store.port
     procs = [
         ctx.Process(
             target=_child,
@@ -153,6 +160,7 @@ def run_distributed(
         _stop(procs)
         results.close()
         results.join_thread()
+        del store
 
 
 def _record(values: dict, rank: int, kind: str, payload: Any, world_size: int) -> None:

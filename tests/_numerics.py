@@ -1,0 +1,107 @@
+"""The suite's one judge of fp32 training results that differ from a reference by rounding.
+
+[Note: calibrated bounds]
+Two fp32 runs of the same training that sum in different orders (one process against TP or
+SP slices, compiled against eager, micro-batches against one batch) differ by rounding, and
+Adam amplifies it where a gradient element is near ``eps``. How much depends on the CPU's
+kernels (MKL's and oneDNN's blockings, AVX2 or AVX-512 or AMX, inductor's fusions), so no
+element-wise constant is right on every machine: 1e-5 between compiled and eager passed on
+an AMD EPYC and failed on a Sapphire Rapids Xeon at 1.5e-5 (issue #46). A result is judged
+instead by how far it is from the same training in float64, against how far fp32 runs of
+that training are on this very machine:
+
+- ``ref64``: the training in float64 (the same fp32-initialised model converted, the same
+  batches);
+- ``spread``: fp32 runs of the same training that sum in other orders (at least the plain
+  one-process run; the model matrix adds two micro-batches and every Linear in the blocks of
+  a 2-way split, test_model_matrix._blocks_class). Their farthest distance from ``ref64`` is
+  what rounding alone does here.
+
+``excess`` is the larger of two ratios, and at most 1.0 passes:
+
+- whole model: the norm of all differences from ``ref64`` over the farthest spread run's,
+  bound ``NORM_BOUND`` (2x): a stable figure;
+- worst tensor: the largest norm-wise relative difference ``||a - ref|| / ||ref||`` of any
+  tensor over the largest of any spread run's, bound ``WORST_BOUND`` (3x: two independent
+  roundings' worst cases differ more). Norm-wise, not element-wise: one element that Adam
+  moved by ``lr`` because its gradient sign was decided by rounding (a fact of every run,
+  and which element it is, is chance) weighs by its share of the tensor, not as the tensor.
+  Tensors that start at exactly zero (biases) are left out of this ratio, not out of the
+  whole-model one: their values are nothing but such steps ([Note: the matrix's bound]).
+
+The negative control is part of every verdict: ``planted_escapes`` scales each judged tensor
+of the result in turn by (1 + 1e-3), a 0.1% error in one tensor, and lists the tensors where
+that would still pass. A test asserts both ``excess <= 1`` and that nothing escapes, so a
+bound that the spread of a machine made too loose to see a 0.1% error fails there too,
+instead of passing silently.
+"""
+
+from __future__ import annotations
+
+NORM_BOUND, WORST_BOUND = 2.0, 3.0
+PLANTED = 1e-3  # the error a verdict must see: 0.1% in any one judged tensor
+
+
+def _d(a, b) -> float:
+    return float((a.double() - b.double()).norm())
+
+
+def _rel(a, b) -> float:
+    return _d(a, b) / max(float(b.double().norm()), 1e-300)
+
+
+def zero_init(state: dict) -> set:
+    """The floating-point tensors of ``state`` (a fresh model's) that are exactly zero."""
+    return {k for k, v in state.items() if v.is_floating_point() and not bool(v.any())}
+
+
+class Judge:
+    """Judges fp32 results of one training against ``ref64`` and its fp32 ``spread``
+    ([Note: calibrated bounds]); ``keys`` are the tensors compared (default: all floating
+    point ones of ``ref64``), ``zero`` those left out of the worst-tensor ratio."""
+
+    def __init__(self, ref64: dict, spread: list, keys=None, zero=frozenset()) -> None:
+        if not spread:
+            raise ValueError("a Judge needs at least one fp32 run in `spread`")
+        self.ref64 = ref64
+        self.keys = [k for k in (keys if keys is not None else ref64) if ref64[k].is_floating_point()]
+        self.judged = [k for k in self.keys if k not in zero] or list(self.keys)
+        self.norm_scale = max(self._norm(s) for s in spread)
+        self.worst_scale = max(_rel(s[k], ref64[k]) for s in spread for k in self.judged)
+
+    def _norm(self, state: dict) -> float:
+        return sum(_d(state[k], self.ref64[k]) ** 2 for k in self.keys) ** 0.5
+
+    def excess(self, got: dict) -> tuple[float, str]:
+        """(excess, worst tensor): at most 1.0 passes."""
+        norm_ratio = self._norm(got) / max(self.norm_scale, 1e-300)
+        worst, key = max((_rel(got[k], self.ref64[k]), k) for k in self.judged)
+        worst_ratio = worst / max(self.worst_scale, 1e-300)
+        return max(norm_ratio / NORM_BOUND, worst_ratio / WORST_BOUND), key
+
+    def planted_escapes(self, got: dict) -> list:
+        """The judged tensors where a 0.1% error planted in ``got`` would still pass (should
+        be none). Computed from the norms, as ``excess`` of each planted copy would be."""
+        base = {k: _d(got[k], self.ref64[k]) for k in self.keys}
+        total2 = sum(v * v for v in base.values())
+        escapes = []
+        for k in self.judged:
+            planted = got[k].double() * (1 + PLANTED)
+            d = float((planted - self.ref64[k].double()).norm())
+            norm_ratio = max(total2 - base[k] ** 2 + d * d, 0.0) ** 0.5 / max(self.norm_scale, 1e-300)
+            worst = max([d / max(float(self.ref64[k].double().norm()), 1e-300)]
+                        + [_rel(got[j], self.ref64[j]) for j in self.judged if j != k])
+            if max(norm_ratio / NORM_BOUND, worst / max(self.worst_scale, 1e-300) / WORST_BOUND) <= 1.0:
+                escapes.append(k)
+        return escapes
+
+    def verdict(self, got: dict) -> dict:
+        """Everything a test asserts: ``excess`` (<= 1.0), its ``tensor``, ``escapes`` ([])."""
+        excess, key = self.excess(got)
+        return {"excess": excess, "tensor": key, "escapes": self.planted_escapes(got)}
+
+
+def assert_verdict(v: dict, context=None) -> None:
+    """``v`` from :meth:`Judge.verdict` passes and its negative control fails."""
+    assert v["excess"] <= 1.0, (context, v["excess"], v["tensor"])
+    assert not v["escapes"], (context, "a 0.1% error in these tensors would pass", v["escapes"])

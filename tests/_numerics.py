@@ -96,12 +96,124 @@ class Judge:
         return escapes
 
     def verdict(self, got: dict) -> dict:
-        """Everything a test asserts: ``excess`` (<= 1.0), its ``tensor``, ``escapes`` ([])."""
+        """Everything a test asserts: ``excess`` (<= 1.0), its ``tensor``, ``escapes`` ([]);
+        ``norm``/``worst``: the two ratios before their bounds (for the record)."""
         excess, key = self.excess(got)
-        return {"excess": excess, "tensor": key, "escapes": self.planted_escapes(got)}
+        worst = max(_rel(got[k], self.ref64[k]) for k in self.judged)
+        return {"excess": excess, "tensor": key, "escapes": self.planted_escapes(got),
+                "norm": self._norm(got) / max(self.norm_scale, 1e-300), "worst": worst / max(self.worst_scale, 1e-300)}
 
 
 def assert_verdict(v: dict, context=None) -> None:
     """``v`` from :meth:`Judge.verdict` passes and its negative control fails."""
     assert v["excess"] <= 1.0, (context, v["excess"], v["tensor"])
     assert not v["escapes"], (context, "a 0.1% error in these tensors would pass", v["escapes"])
+
+
+# ----------------------------------------------------------------- the runs a Judge needs
+def block_sums():
+    """A TorchFunctionMode computing every ``F.linear`` with even feature counts in four
+    blocks: each half of the output features as the sum of the products of the two halves
+    of the input features. Forward sums in the order of a 2-way split of the input features,
+    backward sums the input's gradient over the two halves of the output features: the
+    orders of a 2-way tensor-parallel split, in one process."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class Blocks(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.linear:
+                x, w = args[0], args[1]
+                b = args[2] if len(args) > 2 else kwargs.get("bias")
+                n, k = w.shape
+                if k % 2 == 0 and n % 2 == 0:
+                    h, m = k // 2, n // 2
+                    y = torch.cat([F.linear(x[..., :h], w[r:r + m, :h]) + F.linear(x[..., h:], w[r:r + m, h:])
+                                   for r in (0, m)], dim=-1)
+                    return y if b is None else y + b
+            return func(*args, **kwargs)
+
+    return Blocks
+
+
+SPREAD = ("f32", "micro", "blocks")  # the fp32 runs of a training that sum in other orders
+
+
+def hf_loss(model, ids):
+    """The loss of a transformers causal LM on ``ids`` (labels = inputs)."""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def reference_run(build, batches, variant: str, *, lr: float = 1e-3, eps: float = 1e-8, clip=None,
+                  loss=hf_loss, trainable=None) -> dict:
+    """Plain PyTorch AdamW training of ``build()`` over ``batches`` in one process, as
+    ``variant``: ``f64`` (the model converted to float64, floating inputs too), ``f32``,
+    ``micro`` (each batch as two equal halves whose gradients add up: the halves' mean loss
+    equals the whole batch's when the halves hold equal numbers of tokens) or ``blocks``
+    (every Linear summed as a 2-way split, :func:`block_sums`). ``clip``: the max norm of
+    ``clip_grad_norm_``; ``trainable(model)``: the parameters to train (default: all).
+    Returns {"state", "norms" (pre-clip gradient norms), "losses"}."""
+    import contextlib
+
+    import torch
+
+    if variant not in ("f64", *SPREAD):
+        raise ValueError(f"variant={variant!r}: use 'f64' or one of {SPREAD}")
+    model = build()
+    if variant == "f64":
+        model = model.double()
+
+    def cast(batch):
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(cast(b) for b in batch)
+        return batch.double() if variant == "f64" and batch.is_floating_point() else batch
+
+    params = [p for p in (trainable(model) if trainable is not None else model.parameters())]
+    opt = torch.optim.AdamW(params, lr=lr, eps=eps)
+    norms, losses = [], []
+    for batch in batches:
+        batch = cast(batch)
+        if variant == "micro":
+            total = 0.0
+            for half in zip(*(b.chunk(2) for b in batch)) if isinstance(batch, tuple) else batch.chunk(2):
+                part = loss(model, half) / 2
+                part.backward()
+                total += float(part.detach())
+            losses.append(total)
+        else:
+            with block_sums()() if variant == "blocks" else contextlib.nullcontext():
+                value = loss(model, batch)
+            value.backward()
+            losses.append(float(value.detach()))
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        opt.step()
+        opt.zero_grad()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
+            "losses": losses}
+
+
+def judge_runs(build, batches, keys=None, exclude=(), **kw) -> tuple:
+    """(Judge, float64 run, fp32 runs) of one training ([Note: calibrated bounds]): the
+    float64 run, the fp32 ``SPREAD`` runs, tensors zero at the start out of the worst-tensor
+    ratio; ``exclude``: name suffixes compared nowhere (a key bias: softmax ignores it, so
+    its gradient is rounding noise in every run). ``kw`` go to :func:`reference_run`."""
+    ref64 = reference_run(build, batches, "f64", **kw)
+    spread = [reference_run(build, batches, v, **kw) for v in SPREAD]
+    keys = [k for k in (keys if keys is not None else ref64["state"]) if not k.endswith(tuple(exclude))]
+    zero = zero_init(build().state_dict())
+    return Judge(ref64["state"], [s["state"] for s in spread], keys, zero), ref64, spread
+
+
+def scalar_excess(got: list, ref64: list, spread: list) -> float:
+    """Per-step scalars (losses, gradient norms) of a run against the float64 run's, over
+    the farthest fp32 spread run's (bound ``WORST_BOUND``, floor 16 fp32 ulps of the value:
+    where every fp32 run lands within a few ulps, two ulps apart is not an error); at most
+    1.0 passes. A 0.1% error in one step's value exceeds it (1e-3 > 3 x 16 x 2**-24)."""
+    def err(seq):
+        return max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(seq, ref64))
+
+    scale = max(max(err(s) for s in spread), 16 * 2.0 ** -24)
+    return err(got) / (WORST_BOUND * scale)

@@ -21,11 +21,15 @@ One pass of the ranks per world size runs every case ([Note: warm ranks] in harn
 """
 
 import pytest
+from _numerics import assert_verdict
 
 from harness import run_distributed
 
 STEPS = 6
 MAX_NORM = 0.05  # below every step's gradient norm here: the clip engages
+# AdamW's eps in the runs judged against float64: 1e-6, as the model matrix's (at 1e-8 an
+# element whose gradient rounds near zero moves by lr in one run and not in another).
+EPS = 1e-6
 
 
 def _model(kind: str):
@@ -60,7 +64,7 @@ def _reference(kind: str, mp: str, dp: int) -> tuple[dict, list]:
     model = _model(kind)
     if mp == "f64":  # the float64 twin: [Note: the fp32 bound, from float64]
         model = model.double()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=EPS)
     norms = []
     for step in range(STEPS):
         ids = _global_batch(step, dp)
@@ -86,7 +90,7 @@ def _train(acc_kwargs: dict, kind: str, mp: str, tp: int) -> tuple[dict, list, d
     acc = Accelerator(mixed_precision=mp, cpu=True, log_policy=False,
                       config={"tensor_parallel": {"size": tp}}, **acc_kwargs)
     model = _model(kind)
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=EPS))
     dp, dp_rank = acc.mesh.dp_size, acc.mesh.dp_rank
     assert dp == world // tp
     norms = []
@@ -180,23 +184,34 @@ def _loader_batches(tp):
 def _cases(state, cases, tp):
     import torch.distributed as dist
 
+    from _numerics import judge_runs, scalar_excess
+
     out = {"loader": _loader_batches(tp)}
     dp = dist.get_world_size() // tp
-    refs = {}
+    refs, judges = {}, {}
     for name, (backend, kind, mp) in cases.items():
-        for m in {mp, "no", "f64"} - {"bf16" if mp == "no" else "f64"}:
-            if (kind, m) not in refs:
-                refs[(kind, m)] = _reference(kind, m, dp)
-        ref_state, ref_norms = refs[(kind, mp)]
-        fp32_ref = refs[(kind, "no")][0]
+        if mp == "no":  # [Note: calibrated bounds] in tests/_numerics.py
+            if kind not in judges:
+                judges[kind] = judge_runs(lambda: _model(kind), [_global_batch(s, dp) for s in range(STEPS)],
+                                          clip=MAX_NORM, eps=EPS, exclude=_NOISE)
+            judge, ref64, spread = judges[kind]
+            ref_state, ref_norms = spread[0]["state"], spread[0]["norms"]
+        else:
+            for m in (mp, "no"):
+                if (kind, m) not in refs:
+                    refs[(kind, m)] = _reference(kind, m, dp)
+            ref_state, ref_norms = refs[(kind, mp)]
+            fp32_ref = refs[(kind, "no")][0]
         got, norms, plan = _train({"backend": backend}, kind, mp, tp)
         assert set(got) == set(ref_state), (name, sorted(set(got) ^ set(ref_state)))
         keys = [k for k in ref_state if not k.endswith(_NOISE)]
         out[name] = {
-            "worst": (fp32_excess(got, fp32_ref, refs[(kind, "f64")][0], keys) if mp == "no" else
-                      max((_excess(got[k], ref_state[k], fp32_ref[k]), k) for k in keys)),
+            "verdict": judge.verdict(got) if mp == "no" else None,
+            "worst": None if mp == "no" else max((_excess(got[k], ref_state[k], fp32_ref[k]), k) for k in keys),
             "shapes": all(got[k].shape == ref_state[k].shape for k in ref_state),
-            "norms": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+            # fp32: calibrated like the weights; bf16: 2e-2 relative (module docstring)
+            "norms": (scalar_excess(norms, ref64["norms"], [r["norms"] for r in spread]) if mp == "no" else
+                      max(abs(a - b) / b for a, b in zip(norms, ref_norms)) / 2e-2),
             "clipped": min(ref_norms) > MAX_NORM,
             "split": sorted(k for k in plan if k != "cached weight casts"),
             "cached": plan["cached weight casts"],
@@ -236,10 +251,12 @@ def _check(results):
         for name, r in out.items():
             if name == "loader":
                 continue
-            bound = 2e-2 if name.endswith("bf16") else 1e-5
             assert r["shapes"], (rank, name)
-            assert r["worst"][0] <= 1.0, (rank, name, r["worst"])
-            assert r["norms"] <= bound, (rank, name, r["norms"])
+            if r["verdict"] is not None:
+                assert_verdict(r["verdict"], (rank, name))
+            else:
+                assert r["worst"][0] <= 1.0, (rank, name, r["worst"])
+            assert r["norms"] <= 1.0, (rank, name, r["norms"])
             assert r["clipped"], (rank, name)
             assert any(k.endswith("q_proj.weight") for k in r["split"]), (rank, name, r["split"])
             assert any(k.endswith("embed_tokens.weight") for k in r["split"]), (rank, name, r["split"])
@@ -316,55 +333,75 @@ FUSED_SPECS = {"use_default_specs": False, "layer_specs": [
 ]}
 
 
+def _fused_batches() -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(2, 6, 32, generator=g), torch.randn(2, 6, 32, generator=g)) for _ in range(STEPS)]
+
+
+def _mse(model, batch):
+    import torch
+
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _as_unfused(state: dict) -> dict:
+    """The fused twin's state under the unfused twin's names (qkv -> q, k, v; gate_up -> gate, up)."""
+    out = {}
+    for k, v in state.items():
+        i, name = k.split(".", 1)
+        if name.startswith("qkv_proj."):
+            for part, t in zip("qkv", v.split([32, 16, 16])):
+                out[f"{i}.{part}_proj.{name.split('.')[1]}"] = t
+        elif name.startswith("gate_up_proj."):
+            for part, t in zip(("gate", "up"), v.chunk(2)):
+                out[f"{i}.{part}_proj.{name.split('.')[1]}"] = t
+        else:
+            out[k] = v
+    return out
+
+
 def _fused_run(state):
     import gc
 
     import torch
 
+    from _numerics import judge_runs
     from mixprec import Accelerator
 
+    judge = judge_runs(lambda: _fused_twin(False), _fused_batches(), loss=_mse, clip=0.1, eps=EPS,
+                       exclude=("k_proj.bias",))[0]
     out = {}
     for fused in (True, False):
         tp_cfg = {"size": 2, "partition_config": FUSED_SPECS} if fused else {"size": 2}  # unfused: heuristics
         acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend="zero2",
                           config={"tensor_parallel": tp_cfg})
         model = _fused_twin(fused)
-        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        g = torch.Generator().manual_seed(7)
-        for _ in range(STEPS):
-            x, y = torch.randn(2, 6, 32, generator=g), torch.randn(2, 6, 32, generator=g)
-            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=EPS))
+        for batch in _fused_batches():
+            acc.backward(_mse(model, batch))
             acc.clip_grad_norm_(model.parameters(), 0.1)
             opt.step()
             opt.zero_grad()
-        out[fused] = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+        state_dict = {k: v.clone() for k, v in acc.get_state_dict(model).items()}
+        # Both as accurate as the unfused twin in one process, against float64.
+        out[fused] = judge.verdict(_as_unfused(state_dict) if fused else state_dict)
         out[f"plan{fused}"] = acc.tp_plan
         del acc, model, opt
         gc.collect()
-    f, u = out[True], out[False]
-    worst = (0.0, "")
-    for i in range(2):
-        pairs = [(f"{i}.qkv_proj.weight", [f"{i}.{n}_proj.weight" for n in "qkv"]),
-                 (f"{i}.qkv_proj.bias", [f"{i}.{n}_proj.bias" for n in "qkv"]),
-                 (f"{i}.gate_up_proj.weight", [f"{i}.gate_proj.weight", f"{i}.up_proj.weight"]),
-                 (f"{i}.gate_up_proj.bias", [f"{i}.gate_proj.bias", f"{i}.up_proj.bias"]),
-                 (f"{i}.o_proj.weight", [f"{i}.o_proj.weight"]), (f"{i}.down_proj.weight", [f"{i}.down_proj.weight"])]
-        for fk, uks in pairs:
-            whole = torch.cat([u[k] for k in uks])
-            if fk.endswith("qkv_proj.bias"):  # the key bias: rounding noise (see _NOISE)
-                keep = torch.ones_like(whole, dtype=torch.bool)
-                keep[32:48] = False
-                worst = max(worst, (_rel(f[fk][keep], whole[keep]), fk))
-            else:
-                worst = max(worst, (_rel(f[fk], whole), fk))
-    return {"worst": worst, "fused_split": sorted(out["planTrue"]), "unfused_split": sorted(out["planFalse"])}
+    return {"fused": out[True], "unfused": out[False], "fused_split": sorted(out["planTrue"]),
+            "unfused_split": sorted(out["planFalse"])}
 
 
 def test_fused_qkv_and_gate_up_equal_their_unfused_twin():
     """Fused QKV / gate_up Linears split by partition_config sub-parameter specs train to the
-    same weights as the unfused twin (split by the name heuristics), TP=2 on zero2, fp32."""
+    same weights as the unfused twin (split by the name heuristics), TP=2 on zero2, fp32: both
+    as accurate as the unfused twin in one process, against float64 ([Note: calibrated bounds])."""
     for r in run_distributed(_fused_run, 2, timeout=300):
-        assert r["worst"][0] <= 1e-5, r
+        assert_verdict(r["fused"], "fused")
+        assert_verdict(r["unfused"], "unfused")
         assert "0.qkv_proj.weight" in r["fused_split"] and "1.gate_up_proj.bias" in r["fused_split"], r
         assert {"0.q_proj.weight", "0.k_proj.weight", "0.down_proj.weight"} <= set(r["unfused_split"]), r
 
@@ -498,7 +535,7 @@ def _ckpt_phase(state, tp, backend, load, save_at, steps, save_dir):
     cfg = {"tensor_parallel": {"size": tp}}
     acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend=backend, config=cfg)
     model = _model("llama")
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=EPS))
     if load is not None:
         acc.load_state(load)
     dp = world // tp
@@ -523,8 +560,11 @@ def _ckpt_phase(state, tp, backend, load, save_at, steps, save_dir):
 
 def test_checkpoints_reshard_across_tp_sizes(tmp_path):
     """TP=2 (zero2) -> one process -> TP=2 x DP=2 (zero3, 2-D) -> TP=2 (ddp) -> TP=2 (fsdp),
-    one step each after a resume: every resumed step's loss and the final weights equal an uninterrupted TP=2 run
-    (fp32; bound 1e-5 as above: the layouts round their sums differently)."""
+    one step each after a resume: every resumed step's loss and the final weights are as
+    accurate as an uninterrupted TP=2 run's, against the same training in float64 (fp32: the
+    layouts round their sums differently; [Note: calibrated bounds] in tests/_numerics.py)."""
+    from _numerics import judge_runs, scalar_excess
+
     pytest.importorskip("transformers")
     c1, c2, c3 = (str(tmp_path / f"c{i}") for i in (1, 2, 3))
     ref_losses, ref_w = run_distributed(_ckpt_phase, 2, args=(2, "zero2", None, 2, range(7), c1), timeout=300)[0]
@@ -539,10 +579,14 @@ def test_checkpoints_reshard_across_tp_sizes(tmp_path):
     got.update(ddp[0])
     last, w = run_distributed(_ckpt_phase, 2, args=(2, "fsdp", c4, None, [6], None), timeout=300)[0]
     got.update(last)
-    for step in (3, 4, 5, 6):
-        assert abs(got[step] - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), (step, got, ref_losses)
-    worst = max((_rel(w[k], ref_w[k]), k) for k in ref_w if not k.endswith(_NOISE))
-    assert worst[0] <= 1e-5, worst
+    judge, ref64, spread = judge_runs(lambda: _model("llama"), [_global_batch(s, 1, GLOBAL_BATCH) for s in range(7)],
+                                      clip=MAX_NORM, eps=EPS, exclude=_NOISE)
+    steps = (3, 4, 5, 6)
+    for losses in (ref_losses, got):
+        assert scalar_excess([losses[s] for s in steps], [ref64["losses"][s] for s in steps],
+                             [[r["losses"][s] for s in steps] for r in spread]) <= 1.0, (losses, ref64["losses"])
+    for weights in (ref_w, w):
+        assert_verdict(judge.verdict(weights), "resumed" if weights is w else "uninterrupted")
 
 
 # ------------------------------------------------- guards, accumulation, checkpointing
@@ -601,23 +645,15 @@ def _guards(state):
 
     # Gradient accumulation and activation checkpointing under TP: the same weights as one
     # process stepping on the whole batch (fp32).
-    def reference(double: bool) -> dict:
-        ref = _model("llama").double() if double else _model("llama")
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        for step in range(2):
-            ids = _global_batch(step, 2)
-            loss = sum(ref(input_ids=ids[i:i + 2], labels=ids[i:i + 2]).loss for i in (0, 2)) / 2
-            loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        return ref.state_dict()
+    from _numerics import judge_runs
 
-    ref_state, ref64 = reference(False), reference(True)
+    judge = judge_runs(lambda: _model("llama"), [_global_batch(step, 2) for step in range(2)], eps=EPS,
+                       exclude=_NOISE)[0]
     cfg = {"tensor_parallel": {"size": 2}, "gradient_accumulation_steps": 2,
            "activation_checkpointing": {"modules": ["LlamaDecoderLayer"]}}
     acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend="zero1", config=cfg)
     model = _model("llama")
-    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=EPS))
     for step in range(2):
         ids = _global_batch(step, 2)
         for i in (0, 2):
@@ -626,7 +662,7 @@ def _guards(state):
                 opt.step()
                 opt.zero_grad()
     got = acc.get_state_dict(model)
-    out["accumulate_ckpt"] = fp32_excess(got, ref_state, ref64, [k for k in ref_state if not k.endswith(_NOISE)])
+    out["accumulate_ckpt"] = judge.verdict(got)
     out["checkpointed"] = sum("Checkpointed" in type(m).__name__ or hasattr(type(m), "_mixprec_ckpt_original")
                               for m in model.modules())
     del acc, model, opt
@@ -650,8 +686,8 @@ def test_overflow_on_one_tp_rank_accumulation_and_checkpointing():
         assert r["comm"]["all_reduce_calls"] == (2 * layers + 1) * 2, r["comm"]
         assert r["comm"]["all_gather_calls"] == 1, r["comm"]
         # Two micro-batch gradients summed vs one backward over both, plus the TP sums: as
-        # accurate as one process, against float64 ([Note: the fp32 bound, from float64]).
-        assert r["accumulate_ckpt"][0] <= 1.0, r["accumulate_ckpt"]
+        # accurate as one process, against float64 ([Note: calibrated bounds] in tests/_numerics.py).
+        assert_verdict(r["accumulate_ckpt"], "accumulate_ckpt")
         assert r["checkpointed"] == 2, r["checkpointed"]
     assert results[0]["fp16"][1] == results[1]["fp16"][1]
 
@@ -674,21 +710,20 @@ def _lora(state, backend, tp):
                          lora_dropout=0.0, init_lora_weights="gaussian")
         return get_peft_model(base, cfg)
 
+    from _numerics import judge_runs
+
     world = dist.get_world_size()
-    ref = peft_model()
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(4):
-        ids = _global_batch(step, world // tp)
-        ref(input_ids=ids, labels=ids).loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], MAX_NORM)
-        ref_opt.step()
-        ref_opt.zero_grad()
-    ref_state = {k: v for k, v in ref.state_dict().items()}
+    lora_keys = [k for k in peft_model().state_dict() if "lora_" in k]
+    judge, _, spread = judge_runs(peft_model, [_global_batch(step, world // tp) for step in range(4)], keys=lora_keys,
+                                  lr=1e-2, eps=EPS, clip=MAX_NORM,
+                                  trainable=lambda m: [p for p in m.parameters() if p.requires_grad])
+    ref_state = spread[0]["state"]
 
     acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False, backend=backend,
                       config={"tensor_parallel": {"size": tp}})
     model = peft_model()
-    model, opt = acc.prepare(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    model, opt = acc.prepare(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                                                      eps=EPS))
     dp_rank = acc.mesh.dp_rank
     for step in range(4):
         ids = _global_batch(step, world // tp)[dp_rank * 2:(dp_rank + 1) * 2]
@@ -699,7 +734,7 @@ def _lora(state, backend, tp):
     got = acc.get_state_dict(model)
     plan = acc.tp_plan
     out = {
-        "lora": max((_rel(got[k], ref_state[k]), k) for k in ref_state if "lora_" in k),
+        "lora": judge.verdict(got),
         "base_unchanged": all(torch.equal(got[k], ref_state[k]) for k in ref_state if "lora_" not in k),
         "lora_moved": max(float((got[k] - peft_model().state_dict()[k]).abs().max()) for k in ref_state if "lora_B" in k),
         "split": sorted(k for k in plan if "lora_" in k),
@@ -714,7 +749,8 @@ def test_lora_adapters_train_under_tp():
     lora_B of a column layer and lora_A of a row layer are split, the others replicated."""
     pytest.importorskip("peft")
     for r in run_distributed(_lora, 2, args=("zero2", 2), timeout=300):
-        assert r["lora"][0] <= 1e-5 and r["base_unchanged"] and r["lora_moved"] > 1e-3, r
+        assert_verdict(r["lora"], "lora")
+        assert r["base_unchanged"] and r["lora_moved"] > 1e-3, r
         assert any("q_proj.lora_B" in k for k in r["split"]) and any("o_proj.lora_A" in k for k in r["split"]), r
         assert not any("q_proj.lora_A" in k or "o_proj.lora_B" in k for k in r["split"]), r["split"]
 

@@ -62,6 +62,18 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out.float(), y)
 
 
+def fp16_matmuls(dtype):
+    """The fp16 matmul arithmetic a prepared model runs under ``cpu_fp16_matmul`` (as set in
+    the environment, default ``auto``), for a plain-PyTorch reference to run the same: the
+    widened fp32 GEMMs (src/mixprec/wrappers/half_gemm.py) where they are on, else torch's."""
+    import os
+
+    from mixprec.wrappers.half_gemm import HalfGemmMode, wanted
+
+    on = dtype == torch.float16 and wanted(os.environ.get("MIXPREC_CPU_FP16_MATMUL", "auto"))
+    return HalfGemmMode() if on else contextlib.nullcontext()
+
+
 def reference_loop(model, optimizer, batches, mixed_precision, clip=None):
     """A hand-written plain-PyTorch loop with torch.autocast and torch.amp.GradScaler."""
     dtype = AUTOCAST_DTYPE[mixed_precision]
@@ -69,7 +81,7 @@ def reference_loop(model, optimizer, batches, mixed_precision, clip=None):
     losses = []
     for x, y in batches:
         ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-        with ctx:
+        with ctx, fp16_matmuls(dtype):
             out = model(x)
         loss = loss_fn(out, y)
         scaler.scale(loss).backward()

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from mixprec import Accelerator
-from _helpers import loss_fn, make_mlp, mlp_batches
+from _helpers import fp16_matmuls, loss_fn, make_mlp, mlp_batches
 
 
 def _tiny_update_run(mixed_precision, steps=40):
@@ -119,7 +119,7 @@ def test_low_precision_storage_matches_fp32_masters_reference(mixed_precision):
         with torch.no_grad():
             for s, m in zip(shadow.parameters(), ref_master.parameters()):
                 s.copy_(m)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype), fp16_matmuls(dtype):
             out = shadow(x.to(dtype))
         scaler.scale(loss_fn(out, y)).backward()
         for s, m in zip(shadow.parameters(), ref_master.parameters()):

@@ -1,6 +1,7 @@
 // Bindings for csrc/kernels (multi-tensor kernels). Python signatures are
 // the contract with mixprec.kernels and the Accelerator: keep them stable.
 #include "bindings/bindings.h"
+#include "kernels/cpu/items.h"
 #include "kernels/multi_tensor.h"
 
 namespace py = pybind11;
@@ -75,6 +76,10 @@ void init_kernels(py::module_& m) {
         "How many parallel regions the CPU kernels have opened in this process; a call "
         "moving fewer than _cpu_parallel_min_bytes bytes runs inline and opens none "
         "(diagnostics, tests).");
+  m.def(
+      "cpu_kernel_capability", [] { return std::string(k::cpu::item_fns().capability); },
+      "The copy of the CPU kernels this process runs: 'DEFAULT', 'AVX2' or 'AVX512' (the widest "
+      "the build and the CPU have, capped by MIXPREC_CPU_CAPABILITY; chosen once per process).");
 }
 
 }  // namespace mixprec::bindings

@@ -9,6 +9,7 @@ from torch import Tensor
 # entries the kernels were compiled for, "75-real" SASS, "120-virtual" PTX, "120" both; empty
 # without CUDA), cxx11_abi (bool), compiler (str).
 def build_info() -> dict[str, object]: ...
+def cpu_kernel_capability() -> str: ...
 
 # ---- precision (csrc/precision) -------------------------------------------
 class ScalerOptions:

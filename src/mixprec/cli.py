@@ -30,6 +30,42 @@ def _version_line() -> str:
     return f"mixprec {mixprec.__version__} (built against torch {_build_torch.TORCH_VERSION}, CUDA kernels: {cuda})"
 
 
+def _cpu_rows() -> list:
+    """The CPU facts a numerical difference between two machines is placed by: vendor and
+    model, the ISA flags the kernels and torch pick by, which copy of mixprec's CPU kernels
+    runs, and which fp16 matmul path ``cpu_fp16_matmul="auto"`` takes."""
+    import torch
+
+    from . import _C
+    from .wrappers.half_gemm import describe
+
+    vendor = model = ""
+    flags: set = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value
+                elif key == "model name" and not model:
+                    model = value
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16",
+              "amx_tile")
+    isa = " ".join(f for f in wanted if f in flags) if flags else "unknown (no /proc/cpuinfo)"
+    return [
+        ("CPU", f"{vendor} {model}".strip() or platform.processor() or "unknown"),
+        ("CPU ISA flags", isa),
+        ("torch CPU capability", torch.backends.cpu.get_cpu_capability()),
+        ("mixprec CPU kernels", _C.cpu_kernel_capability()),
+        ("fp16 matmul (auto)", describe("auto")),
+    ]
+
+
 def _env() -> int:
     import torch
 
@@ -50,6 +86,7 @@ def _env() -> int:
         ("NCCL available", torch.distributed.is_available() and torch.distributed.is_nccl_available()),
         ("compiler", info.get("compiler", "?")),
         ("threads", torch.get_num_threads()),
+        *_cpu_rows(),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -116,5 +116,10 @@ def explain(resolved: ResolvedConfig, *, world_size: Optional[int] = None) -> st
     lines.append(f"precision per backend for mixed_precision={cfg.mixed_precision!r}"
                  f" (this run: {resolved.backend}):")
     lines.append(precision_table(cfg))
+    if cfg.mixed_precision == "fp16":
+        from ..wrappers.half_gemm import describe
+
+        lines.append("")
+        lines.append(f"fp16 matmuls on the CPU (cpu_fp16_matmul): {describe(cfg.cpu_fp16_matmul)}")
     return "\n".join(lines)
 

@@ -74,6 +74,16 @@ def wanted(setting: str) -> bool:
     raise ValueError(f"cpu_fp16_matmul={setting!r}: expected 'auto', 'fp32' or 'native'")
 
 
+def describe(setting: str = "auto") -> str:
+    """The fp16 matmul path ``cpu_fp16_matmul`` = ``setting`` takes on this CPU, and why
+    (``mixprec env``, ``mixprec config explain``)."""
+    native = cpu_has_fp16_arithmetic()
+    why = ("the CPU has fp16 arithmetic (AVX512-FP16/AMX-FP16: torch's fp16 GEMM is oneDNN's)" if native else
+           "the CPU has no fp16 arithmetic (torch's fp16 GEMM is the portable loop)")
+    path = "fp32 (fp32 GEMMs of the fp16 inputs, rounded to fp16)" if wanted(setting) else "native (torch's fp16 GEMM)"
+    return f"{path}: {setting!r}; {why}" if setting == "auto" else f"{path}: set to {setting!r}; {why}"
+
+
 def _round(t: torch.Tensor) -> torch.Tensor:
     return t.to(_F16)
 

@@ -245,13 +245,16 @@ def assert_continues_as_accelerate(folder, ours: list, theirs: list) -> None:
         theirs_loss, ours_loss = loss_error(t, r), loss_error(o, r)
         # The replay follows Accelerate's run (else the reference would be meaningless) ...
         assert 0 < theirs_loss < 1e-5, theirs_loss
-        # ... and mixprec is no farther from float64 than Accelerate's fp32 run (x2: rounding).
+        # ... and mixprec is no farther from float64 than Accelerate's fp32 run (x2: two
+        # independent roundings; [Note: calibrated bounds] in tests/_numerics.py). Their
+        # distance from each other is then at most 3x Accelerate's by the triangle inequality:
+        # asserted at that, not at 1x (which held or failed by the CPU's rounding).
         assert ours_loss <= 2 * theirs_loss, (r, ours_loss, theirs_loss)
-        assert max(abs(x["loss"] - y["loss"]) for x, y in zip(o["records"], t["records"])) <= theirs_loss, r
+        assert max(abs(x["loss"] - y["loss"]) for x, y in zip(o["records"], t["records"])) <= 3 * theirs_loss, r
         theirs_w = weight_error(t["weights"], reference["weights"])
         ours_w = weight_error(o["weights"], reference["weights"])
         assert 0 < theirs_w < 1e-5 and ours_w <= 2 * theirs_w, (r, ours_w, theirs_w)
-        assert weight_error(o["weights"], t["weights"]) <= theirs_w, r
+        assert weight_error(o["weights"], t["weights"]) <= 3 * theirs_w, r
 
 
 if __name__ == "__main__":

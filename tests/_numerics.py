@@ -147,13 +147,14 @@ def hf_loss(model, ids):
 
 
 def reference_run(build, batches, variant: str, *, lr: float = 1e-3, eps: float = 1e-8, clip=None,
-                  loss=hf_loss, trainable=None) -> dict:
+                  loss=hf_loss, trainable=None, lr_lambda=None) -> dict:
     """Plain PyTorch AdamW training of ``build()`` over ``batches`` in one process, as
     ``variant``: ``f64`` (the model converted to float64, floating inputs too), ``f32``,
     ``micro`` (each batch as two equal halves whose gradients add up: the halves' mean loss
     equals the whole batch's when the halves hold equal numbers of tokens) or ``blocks``
     (every Linear summed as a 2-way split, :func:`block_sums`). ``clip``: the max norm of
-    ``clip_grad_norm_``; ``trainable(model)``: the parameters to train (default: all).
+    ``clip_grad_norm_``; ``trainable(model)``: the parameters to train (default: all);
+    ``lr_lambda``: a ``LambdaLR`` schedule stepped after every optimizer step.
     Returns {"state", "norms" (pre-clip gradient norms), "losses"}."""
     import contextlib
 
@@ -172,6 +173,7 @@ def reference_run(build, batches, variant: str, *, lr: float = 1e-3, eps: float 
 
     params = [p for p in (trainable(model) if trainable is not None else model.parameters())]
     opt = torch.optim.AdamW(params, lr=lr, eps=eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda is not None else None
     norms, losses = [], []
     for batch in batches:
         batch = cast(batch)
@@ -190,6 +192,8 @@ def reference_run(build, batches, variant: str, *, lr: float = 1e-3, eps: float 
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         opt.step()
+        if sched is not None:
+            sched.step()
         opt.zero_grad()
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "norms": norms,
             "losses": losses}

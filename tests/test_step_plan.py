@@ -79,9 +79,16 @@ def test_python_calls_per_step_do_not_grow_with_the_tensor_count(mixed_precision
     assert counts[4] == counts[64], counts
 
 
-def _torch_loop(model, opt, xs, clip=1.0, between=None):
+def _torch_loop(model, opt, xs, clip=1.0, between=None, variant="f32"):
+    """Plain torch steps; ``variant`` ``f64`` (the model already converted: inputs too) or
+    ``blocks`` (every Linear summed as a 2-way split) for the judge of ``_judged``."""
+    import contextlib
+
+    from _numerics import block_sums
+
     for i, x in enumerate(xs):
-        loss = model(x).pow(2).mean()
+        with block_sums()() if variant == "blocks" else contextlib.nullcontext():
+            loss = model(x.double() if variant == "f64" else x).pow(2).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -90,11 +97,28 @@ def _torch_loop(model, opt, xs, clip=1.0, between=None):
             between(i, model, opt)
 
 
-def _compare(ref: nn.Module, got: nn.Module, rtol=1e-5, atol=1e-6):
-    # mixprec's fused AdamW rounds an element's update an ulp or two away from torch's
-    # (tests/kernels); a plan that stepped stale state or skipped a param is off by 1e-3+.
-    for (name, a), b in zip(ref.named_parameters(), got.parameters()):
-        torch.testing.assert_close(b.detach(), a.detach(), rtol=rtol, atol=atol, msg=name)
+def _judged(replay, got: nn.Module, context=None):
+    """mixprec's result against torch's loop, as fp32 runs are against float64: mixprec's
+    fused AdamW rounds an element's update an ulp or two away from torch's (tests/kernels),
+    and Adam can amplify that where a gradient is near zero, by an amount that depends on the
+    CPU ([Note: calibrated bounds] in tests/_numerics.py); a plan that stepped stale state or
+    skipped a param is a change of the computation, far outside it. ``replay(variant)``
+    runs torch's loop as ``f64``, ``f32`` or ``blocks`` and returns the model."""
+    from _numerics import Judge, assert_verdict
+
+    def state(m):
+        return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    judge = Judge(state(replay("f64")), [state(replay(v)) for v in ("f32", "blocks")])
+    assert_verdict(judge.verdict(state(got)), context)
+
+
+def _as(variant: str, built):
+    """``built`` (a model, or (model, optimizer) before any step) in float64 for ``f64``."""
+    model = built[0] if isinstance(built, tuple) else built
+    if variant == "f64":
+        model.double()  # in place: an optimizer built on its parameters still holds them
+    return built
 
 
 def test_an_added_param_group_and_a_late_first_gradient_are_stepped_as_torch_does():
@@ -112,8 +136,11 @@ def test_an_added_param_group_and_a_late_first_gradient_are_stepped_as_torch_doe
             p.requires_grad_(False)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
-    ref_model, ref_opt = build()
-    _torch_loop(ref_model, ref_opt, xs, between=between)
+    def replay(variant):
+        ref_model, ref_opt = _as(variant, build())
+        _torch_loop(ref_model, ref_opt, xs, between=between, variant=variant)
+        return ref_model
+
     acc = Accelerator(cpu=True, log_policy=False)
     model, opt = acc.prepare(*build())
 
@@ -126,19 +153,24 @@ def test_an_added_param_group_and_a_late_first_gradient_are_stepped_as_torch_doe
         opt.step()
         opt.zero_grad()
         between_prepared(i, model, opt)
-    _compare(ref_model, model)
+    _judged(replay, model)
     assert kernels.step_plan(opt.optimizer) is not None
     assert kernels.step_plan(opt.optimizer).num_params == sum(1 for _ in model.parameters())
 
 
 def test_a_loaded_optimizer_state_is_what_the_next_step_updates():
     xs = [torch.randn(3, 8, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    def replay(variant):
+        ref_model = _as(variant, _blocks(2))
+        ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+        _torch_loop(ref_model, ref_opt, xs, variant=variant)
+        return ref_model
+
     ref_model = _blocks(2)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     _torch_loop(ref_model, ref_opt, xs[:3])
     saved_model = {k: v.clone() for k, v in ref_model.state_dict().items()}
     saved_opt = copy.deepcopy(ref_opt.state_dict())  # state_dict() holds the live tensors
-    _torch_loop(ref_model, ref_opt, xs[3:])
 
     acc = Accelerator(cpu=True, log_policy=False)
     model = _blocks(2, seed=1)  # other weights and other state: all of it must be replaced
@@ -156,7 +188,7 @@ def test_a_loaded_optimizer_state_is_what_the_next_step_updates():
         acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    _compare(ref_model, model)
+    _judged(replay, model)  # the loaded state is the one the steps went on from
 
 
 def test_a_state_tensor_replaced_in_place_is_seen_after_forget_plan():
@@ -201,7 +233,9 @@ def test_a_param_the_kernels_cannot_take_any_more_falls_back_to_torchs_step():
         ref(x).pow(2).mean().backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    _compare(ref, model)
+    # The same weights, gradients, state and torch step on both sides: the same bits.
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_sgd_momentum_turned_on_later_creates_its_buffers():
@@ -211,9 +245,12 @@ def test_sgd_momentum_turned_on_later_creates_its_buffers():
         if i == 2:
             opt.param_groups[0]["momentum"] = 0.9
 
-    ref_model = _blocks(2)
-    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-2, momentum=0.0)
-    _torch_loop(ref_model, ref_opt, xs, between=between)
+    def replay(variant):
+        ref_model = _as(variant, _blocks(2))
+        ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-2, momentum=0.0)
+        _torch_loop(ref_model, ref_opt, xs, between=between, variant=variant)
+        return ref_model
+
     acc = Accelerator(cpu=True, log_policy=False)
     model = _blocks(2)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.0))
@@ -223,7 +260,7 @@ def test_sgd_momentum_turned_on_later_creates_its_buffers():
         opt.step()
         opt.zero_grad()
         between(i, model, opt)
-    _compare(ref_model, model)
+    _judged(replay, model)
 
 
 def test_the_clip_does_not_walk_the_module_tree_and_sees_a_parameter_added_later(monkeypatch):
@@ -366,8 +403,12 @@ CASES = {
 }
 
 
-def _run(kind, build, make_opt, action, max_norm, steps=4, at=2):
-    model = build()
+def _run(kind, build, make_opt, action, max_norm, steps=4, at=2, variant="f32"):
+    import contextlib
+
+    from _numerics import block_sums
+
+    model = _as(variant, build())
     opt = make_opt(model)
     acc = None
     if kind == "mixprec":
@@ -380,7 +421,8 @@ def _run(kind, build, make_opt, action, max_norm, steps=4, at=2):
             action(model, inner)
         g = torch.Generator().manual_seed(100 + i)
         x = torch.randn(4, 3, 8, 8, generator=g) if build is _conv else torch.randn(64, 16, generator=g)
-        loss = model(x).pow(2).mean()
+        with block_sums()() if variant == "blocks" else contextlib.nullcontext():
+            loss = model(x.double() if variant == "f64" else x).pow(2).mean()
         if acc is not None:
             acc.backward(loss)
             norms.append(float(acc.clip_grad_norm_(model.parameters(), max_norm)))
@@ -397,15 +439,28 @@ def _run(kind, build, make_opt, action, max_norm, steps=4, at=2):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_plan_sees_what_torch_sees(case):
     build, make_opt, action, max_norm = CASES[case]
-    ref_norms, ref = _run("torch", build, make_opt, action, max_norm)
     norms, got = _run("mixprec", build, make_opt, action, max_norm)
-    assert norms == pytest.approx(ref_norms, rel=1e-5)
-    _compare(ref, got)
+    _judged_with_norms(lambda variant: _run("torch", build, make_opt, action, max_norm, variant=variant), norms, got,
+                       case)
+
+
+def _judged_with_norms(replay, norms, got, context=None):
+    """``_judged`` of the weights, and the clip norms of every step against the float64
+    run's, as fp32 runs' are (``scalar_excess``). ``replay(variant)`` -> (norms, model)."""
+    from _numerics import scalar_excess
+
+    runs = {v: replay(v) for v in ("f64", "f32", "blocks")}
+    assert scalar_excess(norms, runs["f64"][0], [runs["f32"][0], runs["blocks"][0]]) <= 1.0, (context, norms)
+    _judged(lambda v: runs[v][1], got, context)
 
 
 def test_a_param_in_two_optimizers_is_counted_once_by_the_clip():
-    def run(kind):
-        model = _mlp()
+    import contextlib
+
+    from _numerics import block_sums
+
+    def run(kind, variant="f32"):
+        model = _as(variant, _mlp())
         o1 = torch.optim.AdamW(list(model[0].parameters()) + [model[2].bias], lr=1e-2)
         o2 = torch.optim.SGD(list(model[2].parameters()), lr=1e-2)
         acc = None
@@ -415,7 +470,8 @@ def test_a_param_in_two_optimizers_is_counted_once_by_the_clip():
         norms = []
         for i in range(3):
             x = torch.randn(64, 16, generator=torch.Generator().manual_seed(i))
-            loss = model(x).pow(2).mean()
+            with block_sums()() if variant == "blocks" else contextlib.nullcontext():
+                loss = model(x.double() if variant == "f64" else x).pow(2).mean()
             if acc is not None:
                 acc.backward(loss)
                 norms.append(float(acc.clip_grad_norm_(model.parameters(), 1.0)))
@@ -430,14 +486,17 @@ def test_a_param_in_two_optimizers_is_counted_once_by_the_clip():
             acc.end_training()
         return norms, model
 
-    (ref_norms, ref), (norms, got) = run("torch"), run("mixprec")
-    assert norms == pytest.approx(ref_norms, rel=1e-5)
-    _compare(ref, got)
+    norms, got = run("mixprec")
+    _judged_with_norms(lambda variant: run("torch", variant), norms, got)
 
 
 def test_a_hand_set_strided_gradient_is_clipped_as_torch_does():
-    def run(kind):
-        model = _mlp()
+    import contextlib
+
+    from _numerics import block_sums
+
+    def run(kind, variant="f32"):
+        model = _as(variant, _mlp())
         opt = _adamw(model)
         acc = None
         if kind == "mixprec":
@@ -445,7 +504,8 @@ def test_a_hand_set_strided_gradient_is_clipped_as_torch_does():
             model, opt = acc.prepare(model, opt)
         x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
         for _ in range(2):
-            loss = model(x).pow(2).mean()
+            with block_sums()() if variant == "blocks" else contextlib.nullcontext():
+                loss = model(x.double() if variant == "f64" else x).pow(2).mean()
             (acc.backward(loss) if acc is not None else loss.backward())
             w = model[0].weight
             w.grad = w.grad.t().contiguous().t()  # same values, column-major
@@ -455,8 +515,7 @@ def test_a_hand_set_strided_gradient_is_clipped_as_torch_does():
             opt.zero_grad()
         if acc is not None:
             acc.end_training()
-        return float(norm), model
+        return [float(norm)], model
 
-    (ref_norm, ref), (norm, got) = run("torch"), run("mixprec")
-    assert norm == pytest.approx(ref_norm, rel=1e-5)
-    _compare(ref, got)
+    norm, got = run("mixprec")
+    _judged_with_norms(lambda variant: run("torch", variant), norm, got)

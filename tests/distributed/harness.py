@@ -172,7 +172,6 @@ class _Pool:
         return True
 
     def run(self, fn, args: tuple, env: dict, timeout: float) -> list:
-        world_size = self.world_size
         # The parent hosts the job's store on a port bound once: no rank races another
         # process for it ([Note: a store bound where it is asked to listen]).
         store = host_store(timeout_s=timeout)

@@ -147,7 +147,7 @@ def hf_loss(model, ids):
 
 
 def reference_run(build, batches, variant: str, *, lr: float = 1e-3, eps: float = 1e-8, clip=None,
-                  loss=hf_loss, trainable=None, lr_lambda=None) -> dict:
+                  loss=hf_loss, trainable=None, lr_lambda=None, weight_decay: float = 0.01) -> dict:
     """Plain PyTorch AdamW training of ``build()`` over ``batches`` in one process, as
     ``variant``: ``f64`` (the model converted to float64, floating inputs too), ``f32``,
     ``micro`` (each batch as two equal halves whose gradients add up: the halves' mean loss
@@ -172,7 +172,7 @@ def reference_run(build, batches, variant: str, *, lr: float = 1e-3, eps: float 
         return batch.double() if variant == "f64" and batch.is_floating_point() else batch
 
     params = [p for p in (trainable(model) if trainable is not None else model.parameters())]
-    opt = torch.optim.AdamW(params, lr=lr, eps=eps)
+    opt = torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda is not None else None
     norms, losses = [], []
     for batch in batches:
@@ -215,9 +215,16 @@ def scalar_excess(got: list, ref64: list, spread: list) -> float:
     """Per-step scalars (losses, gradient norms) of a run against the float64 run's, over
     the farthest fp32 spread run's (bound ``WORST_BOUND``, floor 16 fp32 ulps of the value:
     where every fp32 run lands within a few ulps, two ulps apart is not an error); at most
-    1.0 passes. A 0.1% error in one step's value exceeds it (1e-3 > 3 x 16 x 2**-24)."""
+    1.0 passes. A 0.1% error planted in any one step's value must exceed it (asserted here:
+    the negative control of every call)."""
     def err(seq):
         return max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(seq, ref64))
 
     scale = max(max(err(s) for s in spread), 16 * 2.0 ** -24)
+    # The negative control: a 0.1% error planted in any one step's value must exceed the bound.
+    for i in range(len(got)):
+        planted = list(got)
+        planted[i] = got[i] * (1 + PLANTED)
+        assert err(planted) > WORST_BOUND * scale, (
+            f"a 0.1% error in step {i}'s value would pass: the fp32 spread here ({scale:.3g}) is too wide to judge")
     return err(got) / (WORST_BOUND * scale)

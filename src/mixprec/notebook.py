@@ -137,10 +137,10 @@ def _run_in_child(state, payload: bytes, backend: str, port: Optional[int], time
         # so that Accelerator() finds the group it should use.
         destroy_distributed(state)
         if port is not None:  # rank 0 hosts the store there, as torch's env:// does
-            from .distributed.rendezvous import AGENT_STORE_ENV
+            from .distributed.rendezvous import HOSTED_STORE_ENV
 
             os.environ["MASTER_PORT"] = str(port)
-            os.environ.pop(AGENT_STORE_ENV, None)
+            os.environ.pop(HOSTED_STORE_ENV, None)
         device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
         state = init_distributed(device, timeout=datetime.timedelta(seconds=timeout))
     # The runner pins its ranks to one thread (right for tests); training gets a fair share.

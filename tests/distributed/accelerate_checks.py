@@ -240,10 +240,10 @@ def hosted_store(timeout_s: float = 900.0):
     return hosted(timeout_s)
 
 
-def rank_env(rank: int, world_size: int, port: int) -> dict:
+def rank_env(rank: int, world_size: int, port: int, torch_agent: bool = False) -> dict:
     from mixprec.distributed.spawn import rank_env as env
 
-    return env(rank, world_size, port)
+    return env(rank, world_size, port, torch_agent=torch_agent)
 
 
 def run_checks(library: str, world_size: int, names: list[str], out: Path,
@@ -269,7 +269,7 @@ def run_checks(library: str, world_size: int, names: list[str], out: Path,
         store = host_store(timeout_s=900)  # the ranks join it ([Note: a store bound where it is asked to listen])
         procs, logs = [], []
         for rank in range(world_size):
-            env = dict(os.environ, **rank_env(rank, world_size, store.port), OMP_NUM_THREADS="1")
+            env = dict(os.environ, **rank_env(rank, world_size, store.port, torch_agent=True), OMP_NUM_THREADS="1")
             logs.append(open(d / f"stdout{rank}.txt", "w"))
             procs.append(subprocess.Popen(
                 [python, __file__, library, str(d), *remaining], env=env,

@@ -103,7 +103,7 @@ def _spawn(script: Path, world: int, env: dict, cwd: Path, timeout: float = 240)
     outputs = []
     with ac.hosted_store() as port:
         for rank in range(world):
-            e = dict(os.environ, **env, **ac.rank_env(rank, world, port), OMP_NUM_THREADS="1",
+            e = dict(os.environ, **env, **ac.rank_env(rank, world, port, torch_agent=True), OMP_NUM_THREADS="1",
                      ACCELERATE_USE_CPU="true")
             procs.append(subprocess.Popen([sys.executable, str(script)], env=e, cwd=cwd,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -32,7 +32,7 @@ def _accelerate_ddp(folder, out, world: int = 2, timeout: float = 300) -> None:
     outputs = []
     with hosted_store() as port:
         for rank in range(world):
-            env = dict(os.environ, **rank_env(rank, world, port), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
+            env = dict(os.environ, **rank_env(rank, world, port, torch_agent=True), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
             procs.append(subprocess.Popen([sys.executable, R.__file__, str(folder), str(out)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:

@@ -59,11 +59,20 @@ def connect(addr: str, port: int, timeout_s: float):
 # the suite, two test files starting ranks at once). ``host_store`` binds the listening
 # socket itself, on the address asked for only, at port 0 when no port is given (the kernel
 # picks a free one in the same call that binds it: nothing can take it in between), and
-# hands the socket to the server (``master_listen_fd``). The ranks then join as clients
-# (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's own switch for a store hosted by the
-# launcher): the store's lifetime is its host's, and no rank has to win a bind race.
+# hands the socket to the server (``master_listen_fd``). The ranks then join as clients:
+# the store's lifetime is its host's, and no rank has to win a bind race. Two switches say
+# so to a rank:
+# - ``MIXPREC_HOSTED_STORE=1`` (HOSTED_STORE_ENV): mixprec's ``init_distributed`` joins the
+#   store at MASTER_ADDR:MASTER_PORT as a client. Only mixprec reads it, so a function run
+#   by ``run_distributed`` that makes a group of its own (``init_process_group`` with its own
+#   ``tcp://`` address: benchmarks/bench_tp.py does) makes it as torch always does;
+# - ``TORCHELASTIC_USE_AGENT_STORE=True`` (AGENT_STORE_ENV): torch's own switch for a store
+#   hosted by the launcher, which ``mixprec launch``'s agent sets as torchrun's does; a test
+#   that starts whole scripts (Accelerate's among them) as a launcher would sets it too
+#   (``agent_store_env(port, torch_agent=True)``).
 # torch's store has no authentication: whoever reaches the port can read and write it.
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+HOSTED_STORE_ENV = "MIXPREC_HOSTED_STORE"
 
 
 def host_store(addr: str = "127.0.0.1", port: int = 0, *, world_size: Optional[int] = None,
@@ -95,9 +104,14 @@ def host_store(addr: str = "127.0.0.1", port: int = 0, *, world_size: Optional[i
     return store
 
 
-def agent_store_env(port: int, addr: str = "127.0.0.1") -> dict:
-    """The environment that makes ranks join a store hosted by their parent (``host_store``)."""
-    return {"MASTER_ADDR": addr, "MASTER_PORT": str(port), AGENT_STORE_ENV: "True"}
+def agent_store_env(port: int, addr: str = "127.0.0.1", *, torch_agent: bool = False) -> dict:
+    """The environment that makes ranks join a store hosted by their parent (``host_store``):
+    mixprec's ``init_distributed`` always, torch's ``env://`` rendezvous too with
+    ``torch_agent`` ([Note: a store bound where it is asked to listen])."""
+    env = {"MASTER_ADDR": addr, "MASTER_PORT": str(port), HOSTED_STORE_ENV: "1"}
+    if torch_agent:
+        env[AGENT_STORE_ENV] = "True"
+    return env
 
 
 # [Note: the launcher's store]
@@ -269,5 +283,5 @@ class JoinWatch(threading.Thread):
                 last = (state, time.monotonic())
 
 
-__all__ = ["AGENT_STORE_ENV", "FAILURE_KEY", "JoinWatch", "LAUNCH_RDZV_BACKEND", "agent_store_env", "connect",
+__all__ = ["AGENT_STORE_ENV", "FAILURE_KEY", "HOSTED_STORE_ENV", "JoinWatch", "LAUNCH_RDZV_BACKEND", "agent_store_env", "connect",
            "host_store", "register_launch_rendezvous", "describe", "failure_record", "publish_failure", "read_failure"]

@@ -52,13 +52,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world_size: int, port: int) -> dict:
+def rank_env(rank: int, world_size: int, port: int, *, torch_agent: bool = False) -> dict:
     """The variables of rank ``rank`` joining the store its parent hosts at 127.0.0.1:``port``
-    ([Note: a store bound where it is asked to listen] in src/mixprec/distributed/rendezvous.py)."""
+    ([Note: a store bound where it is asked to listen] in src/mixprec/distributed/rendezvous.py);
+    ``torch_agent``: torch's env:// rendezvous joins it too (a script that calls
+    ``init_process_group`` itself, as under torchrun)."""
     from .rendezvous import agent_store_env
 
     return dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size), **agent_store_env(port))
+                LOCAL_WORLD_SIZE=str(world_size), **agent_store_env(port, torch_agent=torch_agent))
 
 
 def _child(fn, rank: int, world_size: int, port: int, args: tuple, env: dict, timeout: float, results) -> None:

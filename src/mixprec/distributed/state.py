@@ -280,7 +280,12 @@ _GROUPS_CREATED = [0]
 def _fresh_store(rank: int, world_size: int, timeout: datetime.timedelta):
     """The env:// rendezvous store (MASTER_ADDR/MASTER_PORT, as torch's ``init_method="env://"``
     makes it) under a prefix of its own ([Note: a fresh store prefix per process group])."""
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+    from .rendezvous import HOSTED_STORE_ENV
+
+    if os.environ.get(HOSTED_STORE_ENV) == "1":  # the parent hosts it ([Note: a store bound where it is asked to listen])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, False, timeout)
+    else:
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     store.set_timeout(timeout)
     _GROUPS_CREATED[0] += 1
     return dist.PrefixStore(f"mixprec/{_GROUPS_CREATED[0]}", store)

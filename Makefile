@@ -9,7 +9,7 @@ DEPS   := $(VENV)/.deps-stamp
 # Pinned: `pip install torch` alone would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-matrix test-bench test-quick install bench clean gpu-check compat-check cpu-info
+.PHONY: demo test test-matrix test-bench test-e2e test-quick install bench clean gpu-check compat-check cpu-info
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,16 @@ TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install
-	$(PYTEST) -m "not matrix and not bench" --durations=30
+	$(PYTEST) -m "not matrix and not bench and not e2e" --durations=30
 
 # Benchmark scripts run live, each report checked as `make test` checks the recorded ones
 # (tests/data/); CI (.ci/run) runs it.
 test-bench: install
 	$(BIN)/python -m pytest -q -m bench tests/test_benchmarks_quick.py tests/test_bench_tp.py --durations=10
+
+# The notebooks and the quickstart's documented commands, run whole (a few minutes); CI runs it.
+test-e2e: install
+	$(PYTEST) -m e2e --durations=10
 
 # Which CPU this is (vendor, ISA flags, the mixprec kernel copy, the fp16 matmul path): a
 # numerical failure can be placed by it. CI prints it first.
@@ -48,15 +52,15 @@ cpu-info: install
 	$(BIN)/python -m mixprec env
 
 # Every transformers model type under TP=2 and SP=2 (tests/distributed/test_model_matrix.py)
-# and inductor under TP (test_tp_compile.py), about 5 min here; `make test` runs a
-# representative subset and aot_eager. CI (.ci/run) runs both.
+# and torch.compile under TP x SP and inductor under TP (test_tp_compile.py), about 8 min here;
+# `make test` runs aot_eager under TP. CI (.ci/run) runs both.
 test-matrix: install
 	$(BIN)/python -m pytest -q -m matrix tests/distributed/test_model_matrix.py tests/distributed/test_tp_compile.py
 
 # tests/distributed/conftest.py marks every multi-process test `distributed`; `slow` marks the
 # single-process ones that run whole examples, notebooks or benchmarks in subprocesses.
 test-quick: install
-	$(PYTEST) -m "not distributed and not slow and not matrix and not bench"
+	$(PYTEST) -m "not distributed and not slow and not matrix and not bench and not e2e"
 
 bench: install
 	$(BIN)/pip install -q ".[bench]"

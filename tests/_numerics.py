@@ -199,13 +199,29 @@ def reference_run(build, batches, variant: str, *, lr: float = 1e-3, eps: float 
             "losses": losses}
 
 
+def shared_runs(run, variants) -> dict:
+    """{variant: run(variant)}. Inside an initialised process group the variants are split
+    between the ranks and the results all-gathered (every rank must call this at the same
+    point, as every collective), so N ranks pay for a reference once, not N times."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {v: run(v) for v in variants}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {v: run(v) for i, v in enumerate(variants) if i % world == rank}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {v: r for part in everyone for v, r in part.items()}
+
+
 def judge_runs(build, batches, keys=None, exclude=(), **kw) -> tuple:
     """(Judge, float64 run, fp32 runs) of one training ([Note: calibrated bounds]): the
     float64 run, the fp32 ``SPREAD`` runs, tensors zero at the start out of the worst-tensor
     ratio; ``exclude``: name suffixes compared nowhere (a key bias: softmax ignores it, so
-    its gradient is rounding noise in every run). ``kw`` go to :func:`reference_run`."""
-    ref64 = reference_run(build, batches, "f64", **kw)
-    spread = [reference_run(build, batches, v, **kw) for v in SPREAD]
+    its gradient is rounding noise in every run). ``kw`` go to :func:`reference_run`. The
+    runs are shared between the ranks of an initialised group (:func:`shared_runs`)."""
+    runs = shared_runs(lambda v: reference_run(build, batches, v, **kw), ("f64", *SPREAD))
+    ref64, spread = runs["f64"], [runs[v] for v in SPREAD]
     keys = [k for k in (keys if keys is not None else ref64["state"]) if not k.endswith(tuple(exclude))]
     zero = zero_init(build().state_dict())
     return Judge(ref64["state"], [s["state"] for s in spread], keys, zero), ref64, spread

@@ -49,6 +49,7 @@ def test_notebooks_are_current_and_have_no_outputs(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # whole notebooks: `make test-e2e` (CI); make test checks they are current above
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
 def test_notebook_executes(name, tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")

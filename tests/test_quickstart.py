@@ -55,6 +55,7 @@ def test_quickstart_block_is_what_the_readme_points_to():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # the documented commands end to end: `make test-e2e` (CI)
 def test_quickstart_zero3_two_processes_bf16(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     outputs = _run_as_written(quickstart_commands(), tmp_path)
@@ -64,6 +65,7 @@ def test_quickstart_zero3_two_processes_bf16(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_quickstart_parity_block_with_its_mytrain(tmp_path):
     """`mixprec parity --model mytrain:make_model ...` from the folder holding mytrain.py
     (it raised ModuleNotFoundError: a console script does not put the current folder on

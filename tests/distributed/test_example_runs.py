@@ -100,7 +100,9 @@ def test_long_context_example_fits_the_cap_with_sequence_parallelism_only(tmp_pa
         (one.returncode, one.stdout[-2000:], one.stderr[-2000:])
     two = run_example("long_context.py", launcher=("-m", "mixprec", "launch", "--nproc-per-node", "2"))
     assert "mesh dp=1 x sp=2" in two.stdout and "over the cap" not in two.stdout, two.stdout
-    losses = [float(line.split("final: loss ")[1].split(",")[0]) for line in (one.stdout, two.stdout)]
-    # Printed to 4 decimals: one unit of the last printed digit (two losses a rounding apart
-    # can print either side of a digit's boundary).
-    assert abs(losses[0] - losses[1]) <= 1e-4 + 1e-9, losses
+    losses = [[float(v) for v in line.split("final: loss ")[1].split(",")[0].split(" -> ")]
+              for line in (one.stdout, two.stdout)]
+    # Printed to 4 decimals ("first -> last"): one unit of the last printed digit (two losses a
+    # rounding apart can print either side of a digit's boundary).
+    assert len(losses[0]) == len(losses[1]) == 2, losses
+    assert all(abs(a - b) <= 1e-4 + 1e-9 for a, b in zip(*losses)), losses

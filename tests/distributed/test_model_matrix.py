@@ -288,18 +288,6 @@ MUST_MATCH_TP = ("gemma", "gemma2", "gemma3_text", "gpt2", "phi3", "llama", "qwe
 MUST_MATCH_SP = ("gemma", "gemma3_text", "gpt2", "phi3", "llama", "qwen2", "mistral", "user_module")
 
 
-# In `make test`: the types the issue found wrong, the families the suite is built around, and
-# one of each refusal; `make test-matrix` (and CI, .ci/run) runs every type.
-REPRESENTATIVE = ("llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3_text", "gpt2", "phi3", "apertus",
-                  "olmo2", "nemotron", "starcoder2", "gpt_neox", "mixtral", "deepseek_v2", "dory", "doge",
-                  "falcon_h1", "qwen3_next", "phimoe", "user_module")
-
-
-@pytest.mark.slow  # collected first (tests/conftest.py)
-def test_representative_types_are_right_or_refused_under_tp_and_sp():
-    _run_matrix([k for k in _kinds() if k in REPRESENTATIVE])
-
-
 @pytest.mark.matrix  # every type: minutes; `make test-matrix`
 def test_every_model_type_is_right_or_refused_under_tp_and_sp():
     _run_matrix(_kinds())

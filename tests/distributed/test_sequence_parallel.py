@@ -151,14 +151,14 @@ def _cases(state, cases):
 
     dp = dist.get_world_size() // 2
     out = {"loader": _loader_batches()}
-    from _numerics import Judge, scalar_excess, zero_init
+    from _numerics import Judge, scalar_excess, shared_runs, zero_init
 
     refs = {}
     spread_of = ("no", "rows", "blocks")  # the fp32 runs that sum in other orders
     for name, (backend, mp, per, accum) in cases.items():
-        for m in ("f64", *spread_of) if mp == "no" else (mp, "no"):
-            if (m, per, accum) not in refs:
-                refs[(m, per, accum)] = _reference(m, dp, per, accum)
+        wanted = [m for m in (("f64", *spread_of) if mp == "no" else (mp, "no")) if (m, per, accum) not in refs]
+        for m, r in shared_runs(lambda m: _reference(m, dp, per, accum), wanted).items():
+            refs[(m, per, accum)] = r
         ref_state, ref_norms, ref_losses = refs[(mp, per, accum)]
         fp32_ref = refs[("no", per, accum)][0]
         got, norms, losses = _train(backend, mp, per, accum)

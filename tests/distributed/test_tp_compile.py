@@ -56,7 +56,8 @@ def _compiled(state, backends, tp, sp):
 
 @pytest.mark.parametrize("tp,sp,world,backends", [
     (2, 1, 2, ("aot_eager",)),
-    (2, 2, 4, ("aot_eager",)),
+    # TP x SP on 4 processes: a minute of 4 ranks on 2 cores, with the model matrix (CI)
+    pytest.param(2, 2, 4, ("aot_eager",), marks=pytest.mark.matrix),
     # inductor compiles C++ for half a minute: with the whole model matrix (`make test-matrix`, CI)
     pytest.param(2, 1, 2, ("inductor",), marks=pytest.mark.matrix),
 ])

@@ -95,6 +95,10 @@ def explain(resolved: ResolvedConfig, *, world_size: Optional[int] = None) -> st
         runs += f" for WORLD_SIZE={world_size})" if world_size is not None else ")"
     lines.append(f"mixprec config: backend {cfg.backend!r} runs {runs}, mixed_precision={cfg.mixed_precision!r}")
     lines.append("files read: " + (", ".join(resolved.files) if resolved.files else "none"))
+    if cfg.mixed_precision == "fp16":
+        from ..wrappers.half_gemm import describe
+
+        lines.append(f"fp16 matmuls on the CPU (cpu_fp16_matmul): {describe(cfg.cpu_fp16_matmul)}")
     lines.append("")
     used, unused = [("key", "value", "source")], []
     for path, setting in resolved.settings.items():
@@ -116,10 +120,5 @@ def explain(resolved: ResolvedConfig, *, world_size: Optional[int] = None) -> st
     lines.append(f"precision per backend for mixed_precision={cfg.mixed_precision!r}"
                  f" (this run: {resolved.backend}):")
     lines.append(precision_table(cfg))
-    if cfg.mixed_precision == "fp16":
-        from ..wrappers.half_gemm import describe
-
-        lines.append("")
-        lines.append(f"fp16 matmuls on the CPU (cpu_fp16_matmul): {describe(cfg.cpu_fp16_matmul)}")
     return "\n".join(lines)
 

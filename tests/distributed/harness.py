@@ -50,8 +50,58 @@ from mixprec.distributed import spawn as _spawn
 from mixprec.distributed.rendezvous import host_store
 from mixprec.distributed.spawn import RankFailedError, free_port, rank_env
 
-__all__ = ["RankFailedError", "close_pools", "free_port", "hosted_store", "rank_env", "retry_on_port_taken",
-           "run_distributed"]
+__all__ = ["RankFailedError", "close_pools", "free_port", "hosted_store", "launch_two_nodes", "rank_env",
+           "retry_on_port_taken", "run_distributed", "run_script_ranks"]
+
+
+def run_script_ranks(argv: list, world: int, *, env: Optional[dict] = None, cwd=None, timeout: float = 300,
+                     what: str = "rank") -> list:
+    """Run ``argv`` (a whole script, as torchrun would) as ``world`` ranks joining a store this
+    process hosts (torch's env:// and mixprec alike); fail naming every rank that exited
+    non-zero; return the ranks' combined stdout/stderr."""
+    import subprocess
+
+    procs, outputs = [], []
+    with hosted_store() as port:
+        for rank in range(world):
+            e = dict(os.environ, **(env or {}), **rank_env(rank, world, port, torch_agent=True), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(argv, env=e, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        try:
+            for p in procs:
+                outputs.append(p.communicate(timeout=timeout)[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, "\n".join(f"{what} {r} of {argv[1:]} exited {procs[r].returncode}:\n{outputs[r][-3000:]}"
+                                 for r in failed)
+    return outputs
+
+
+def launch_two_nodes(script_and_args: list, timeout: float = 120) -> tuple:
+    """``mixprec launch --nnodes 2 --nproc-per-node 1`` on loopback, nodes 0 and 1 at once, each
+    running ``script_and_args`` (with a fresh port when node 0's was taken first:
+    ``retry_on_port_taken``); returns ([exit codes], [(stdout, stderr)]) of nodes 0 and 1."""
+    import subprocess
+
+    def run(port):
+        common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
+        procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n),
+                                   *script_and_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for n in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        return [p.returncode for p in procs], outs
+
+    return retry_on_port_taken(run)
 
 
 def retry_on_port_taken(run, tries: int = 3):

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -99,24 +97,10 @@ def test_accelerate_scripts_pass_under_mixprec(world, tmp_path):
 
 
 def _spawn(script: Path, world: int, env: dict, cwd: Path, timeout: float = 240) -> None:
-    procs = []
-    outputs = []
-    with ac.hosted_store() as port:
-        for rank in range(world):
-            e = dict(os.environ, **env, **ac.rank_env(rank, world, port, torch_agent=True), OMP_NUM_THREADS="1",
-                     ACCELERATE_USE_CPU="true")
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=e, cwd=cwd,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        try:
-            for p in procs:
-                outputs.append(p.communicate(timeout=timeout)[0])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-    failed = [rank for rank, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"rank {r} of {script.name} exited {procs[r].returncode}:\n{outputs[r][-3000:]}"
-                                 for r in failed)
+    from harness import run_script_ranks
+
+    run_script_ranks([sys.executable, str(script)], world, env={**env, "ACCELERATE_USE_CPU": "true"}, cwd=cwd,
+                     timeout=timeout)
 
 
 def _quick_tour(library: str, precision: str, tmp_path: Path) -> dict:

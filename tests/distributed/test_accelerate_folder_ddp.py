@@ -14,13 +14,11 @@ against a float64 replay of both ranks' micro-batches with DDP's gradient averag
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from harness import hosted_store, rank_env, run_distributed
+from harness import run_distributed, run_script_ranks
 
 pytest.importorskip("accelerate")
 
@@ -28,24 +26,8 @@ import _accelerate_folder_run as R  # noqa: E402 (tests/ is on sys.path: tests/d
 
 
 def _accelerate_ddp(folder, out, world: int = 2, timeout: float = 300) -> None:
-    procs = []
-    outputs = []
-    with hosted_store() as port:
-        for rank in range(world):
-            env = dict(os.environ, **rank_env(rank, world, port, torch_agent=True), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
-            procs.append(subprocess.Popen([sys.executable, R.__file__, str(folder), str(out)], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        try:
-            for p in procs:
-                outputs.append(p.communicate(timeout=timeout)[0])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, "\n".join(f"Accelerate rank {r} exited {procs[r].returncode}:\n{outputs[r][-3000:]}"
-                                 for r in failed)
+    run_script_ranks([sys.executable, R.__file__, str(folder), str(out)], world,
+                     env={"ACCELERATE_USE_CPU": "true"}, timeout=timeout, what="Accelerate rank")
 
 
 def test_a_ddp_accelerate_folder_resumes_on_mixprec_ddp_rank_by_rank(tmp_path):

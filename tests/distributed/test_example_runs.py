@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import retry_on_port_taken
+from harness import launch_two_nodes
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "train_transformer.py")
 ARGS = ["--steps", "40", "--batch", "16", "--cpu"]
@@ -32,23 +32,7 @@ def test_example_trains_with_two_processes_on_zero2_bf16_from_a_config_file(tmp_
 
 
 def test_example_trains_on_two_nodes_over_loopback():
-    def run(port):
-        common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
-        procs = [
-            subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), EXAMPLE,
-                              *ARGS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for n in (0, 1)
-        ]
-        try:
-            outs = [p.communicate(timeout=300) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-        return [p.returncode for p in procs], outs
-
-    codes, outs = retry_on_port_taken(run)
+    codes, outs = launch_two_nodes([EXAMPLE, *ARGS], timeout=300)
     assert codes == [0, 0], [o[1][-2000:] for o in outs]
     _assert_trained(outs[0][0])
 

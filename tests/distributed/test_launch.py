@@ -6,7 +6,7 @@ import textwrap
 import time
 
 import pytest
-from harness import free_port, retry_on_port_taken
+from harness import free_port, launch_two_nodes, retry_on_port_taken
 
 SUPERVISION_BOUND_S = 10.0
 
@@ -174,22 +174,7 @@ def test_two_nodes_on_loopback(tmp_path):
         (out / f"rank{state.rank}.json").write_text(json.dumps([state.node_rank, state.world_size, total]))
         destroy_distributed(state)
     """)
-
-    def run(port):
-        common = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port]
-        procs = [subprocess.Popen([sys.executable, "-m", "mixprec", "launch", *common, "--node-rank", str(n), script,
-                                   str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for n in (0, 1)]
-        try:
-            outs = [p.communicate(timeout=120) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-        return [p.returncode for p in procs], outs
-
-    codes, outs = retry_on_port_taken(run)
+    codes, outs = launch_two_nodes([script, str(tmp_path)], timeout=120)
     assert codes == [0, 0], outs
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [[0, 2, 11.0], [1, 2, 11.0]]
 

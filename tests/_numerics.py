@@ -84,13 +84,14 @@ class Judge:
         be none). Computed from the norms, as ``excess`` of each planted copy would be."""
         base = {k: _d(got[k], self.ref64[k]) for k in self.keys}
         total2 = sum(v * v for v in base.values())
+        rels = {j: _rel(got[j], self.ref64[j]) for j in self.judged}  # once, not once per planted tensor
         escapes = []
         for k in self.judged:
             planted = got[k].double() * (1 + PLANTED)
             d = float((planted - self.ref64[k].double()).norm())
             norm_ratio = max(total2 - base[k] ** 2 + d * d, 0.0) ** 0.5 / max(self.norm_scale, 1e-300)
             worst = max([d / max(float(self.ref64[k].double().norm()), 1e-300)]
-                        + [_rel(got[j], self.ref64[j]) for j in self.judged if j != k])
+                        + [r for j, r in rels.items() if j != k])
             if max(norm_ratio / NORM_BOUND, worst / max(self.worst_scale, 1e-300) / WORST_BOUND) <= 1.0:
                 escapes.append(k)
         return escapes

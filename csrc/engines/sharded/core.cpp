@@ -165,15 +165,27 @@ ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string
   buckets_.resize(lb.size());
   for (size_t b = 0; b < lb.size(); ++b) {
     auto& bucket = buckets_[b];
-    bucket.params_flat = at::zeros({lb[b].padded}, f32.dtype(lb[b].storage_dtype));
+    // [Note: a sharded core reads only its slices]
+    // With shard_params the flat buffer is never written here: it is allocated uninitialised
+    // (untouched pages cost nothing on the CPU), the parameters become views of it, and it
+    // is freed right after (its views hold no memory until the first unshard). The
+    // parameters' values are read only where this rank owns them (the master copy above):
+    // a parameter backed by a memory-mapped checkpoint is never read whole, and building a
+    // unit's core never holds the unit twice. Without shard_params (zero1/2) the buffer is
+    // the model's storage and takes every value.
+    bucket.params_flat = options_.shard_params
+                             ? at::empty({lb[b].padded}, f32.dtype(lb[b].storage_dtype))
+                             : at::zeros({lb[b].padded}, f32.dtype(lb[b].storage_dtype));
     for (size_t k = 0; k < lb[b].params.size(); ++k) {
       auto& p = params_[lb[b].params[k]];
       auto slot = bucket.params_flat.narrow(0, lb[b].offsets[k], p.numel());
-      slot.copy_(p.detach().reshape({-1}));
+      if (!options_.shard_params) slot.copy_(p.detach().reshape({-1}));
       // The parameter becomes a view of the flat buffer, so the all-gather after each
-      // step writes the model's weights directly (no copy-out).
+      // step writes the model's weights directly (no copy-out). Its former storage is
+      // released here unless something else holds it.
       p.set_data(slot.view(p.sizes()));
     }
+    if (options_.shard_params) set_storage_bytes(bucket.params_flat, 0);
     bucket.pending = lb[b].params.size();
   }
   ready_.assign(params_.size(), false);
@@ -191,7 +203,7 @@ ShardedCore::ShardedCore(std::vector<at::Tensor> params, std::vector<std::string
         }));
     hooks_.emplace_back(std::move(acc), key);
   }
-  if (options_.shard_params) reshard_locked();
+  if (options_.shard_params) unsharded_ = false;  // built resharded (the Note above)
 }
 
 ShardedCore::~ShardedCore() {

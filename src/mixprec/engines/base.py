@@ -21,6 +21,7 @@ from torch.optim import optimizer as optim_mod
 
 from .. import cuda_arch, kernels
 from ..errors import NonFiniteGradientsError, UnscaledBackwardError
+from ..parallel import materialize
 from ..policy import PrecisionPolicy
 from ..step import DeviceScalars, StepResult, check_clip_limit
 from ..wrappers.half_gemm import wanted as half_gemm_wanted
@@ -169,7 +170,10 @@ class Engine:
         """Move ``model`` to the device, apply the storage policy (fp32 masters on the
         replicated backends, shards on the sharded ones), hand its gradients to the comm
         and make its forward follow the policy. Returns the same object."""
-        model.to(self.device)
+        if materialize.has_meta(model):  # zero3/fsdp materialise it a unit at a time (comm.prepare_model)
+            materialize.to_device(model, self.device)
+        else:
+            model.to(self.device)
         comm, precision = self.comm, self.precision
         comm.start(model)
         fp32_modules = precision.fp32_modules(model)

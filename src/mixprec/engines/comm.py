@@ -282,6 +282,43 @@ def start_replicas(model: nn.Module, group: dist.ProcessGroup, group_name: str) 
         _C.broadcast_coalesced(state, group_name, 0)
 
 
+CHUNK_BYTES = 64 << 20
+
+
+def broadcast_chunks(params: Sequence[torch.Tensor], group: dist.ProcessGroup,
+                     chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Rank 0's values of ``params`` on every rank of ``group``, a chunk of consecutive
+    same-dtype tensors (<= ``chunk_bytes``, or one larger tensor) at a time ([Note: rank 0's
+    values, a core at a time] in engines/zero.py). Rank 0 only reads its tensors (a
+    memory-mapped checkpoint stays unwritten); the others receive into fresh memory that
+    replaces theirs, so a rank holds at most one chunk beyond its parameters."""
+    if dist.get_world_size(group) == 1 or not params:
+        return
+    root = dist.get_global_rank(group, 0)
+    mine = dist.get_rank() == root
+    chunks: list[list[torch.Tensor]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if not chunks or size + nbytes > chunk_bytes or chunks[-1][0].dtype != p.dtype \
+                or chunks[-1][0].device != p.device:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += nbytes
+    with torch.no_grad():
+        for chunk in chunks:
+            if mine:
+                flat = chunk[0].detach().reshape(-1) if len(chunk) == 1 else \
+                    torch.cat([p.detach().reshape(-1) for p in chunk])
+            else:
+                flat = torch.empty(sum(p.numel() for p in chunk), dtype=chunk[0].dtype, device=chunk[0].device)
+            dist.broadcast(flat, src=root, group=group)
+            if not mine:
+                for p, part in zip(chunk, flat.split([p.numel() for p in chunk])):
+                    p.data = part.view(p.shape)
+
+
 def sync_buffers(model: nn.Module, group_name: str) -> None:
     """Rank 0's buffers to every rank before a forward that records grads (ddp, zero)."""
     buffers = list(model.buffers())

@@ -24,7 +24,9 @@ from torch import nn
 from .. import _C, kernels
 from ..checkpoint.format import model_prefix
 from ..policy import PrecisionPolicy, ScalerConfig
-from .comm import GroupComm, sync_off
+from ..parallel.materialize import Materializer, has_meta, trim_heap
+from ..distributed.structure import check_same_model
+from .comm import GroupComm, broadcast_chunks, sync_off
 from .sharded import Segment, build_segments, check_optimizer
 from .units import (
     LeafSpec,
@@ -127,25 +129,61 @@ class ShardedComm(GroupComm):
         self.gather_pins: dict[int, int] = {}
 
     # ------------------------------------------------------------------ models
+    @staticmethod
+    def _sharded_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+
+    def start(self, model: nn.Module) -> None:
+        """Rank 0's values for what the cores do not hold (buffers, frozen parameters) now;
+        the sharded parameters' a core at a time in :meth:`prepare_model` ([Note: rank 0's
+        values, a core at a time])."""
+        check_same_model(model, self.group)
+        sharded = {id(p) for _, p in self._sharded_params(model)}
+        rest = [t.detach() for t in model.parameters() if not t.is_meta and id(t) not in sharded]
+        with torch.no_grad():
+            _C.broadcast_coalesced(rest + list(model.buffers()), self.group_name, 0)
+
     def prepare_model(self, model: nn.Module, fp32_modules: Sequence[nn.Module]) -> None:
         fp32_ids = {id(p) for m in fp32_modules for p in m.parameters()}
         target = self.policy.param_dtype
         names, params, dtypes = [], [], []
-        for name, p in model.named_parameters():
-            if p.requires_grad and p.is_floating_point():
-                names.append(name)
-                params.append(p)
-                keep = id(p) in fp32_ids or target is None
-                dtypes.append(p.dtype if keep else target)
+        for name, p in self._sharded_params(model):
+            names.append(name)
+            params.append(p)
+            keep = id(p) in fp32_ids or target is None
+            dtypes.append(p.dtype if keep else target)
         if not params:
             raise ValueError(f"{type(model).__name__} has no trainable parameters to train with {self.backend}")
+        # [Note: rank 0's values, a core at a time]
+        # A model given whole on every rank (from_pretrained, or built with each rank's own
+        # random init) trains from rank 0's values, as under ddp. Broadcasting the whole model
+        # first would hold it twice (the received copy beside the loaded one, and a write into
+        # a memory-mapped checkpoint turns its pages into private memory); instead, right
+        # before each core is built, its parameters are broadcast into fresh tensors, a chunk
+        # of <= 64 MiB (or one larger tensor) at a time, the core keeps its slice and the
+        # whole tensors go. A meta model's parameters are materialised the same way, a core
+        # at a time, from the checkpoint or the shared seed, equal on every rank without a
+        # broadcast ([Note: materialising a meta model shard by shard] in
+        # parallel/materialize.py). So a rank holds its shards plus one core's tensors.
+        materializer = Materializer(model, self.device, self.group) if has_meta(model) else None
+        modules = dict(model.named_modules())
+        fresh: set[int] = set()  # id() of the parameters materialised here
         cores = []
         for indices in self._partition(model, names, params):
             core = None
             if indices:
+                if materializer is not None:
+                    for owner in dict.fromkeys(names[i].rpartition(".")[0] for i in indices if params[i].is_meta):
+                        replaced = materializer.module(owner, modules[owner])
+                        fresh.update(id(t) for t in replaced.values())
+                        params = [replaced.get(id(p), p) for p in params]
+                broadcast_chunks([params[i] for i in indices if id(params[i]) not in fresh], self.group)
                 core = _C.ShardedCore([params[i] for i in indices], [names[i] for i in indices],
                                       [dtypes[i] for i in indices], self.group_name, self.options)
             cores.append(core)
+        if materializer is not None:
+            materializer.rest()  # frozen and non-floating parameters, whole
+        trim_heap()  # the whole tensors freed along the way go back to the OS
         self.cores[id(model)] = [c for c in cores if c is not None]
         for core in self.cores[id(model)][1:]:
             # [Note: agreed reductions] in csrc/engines/sharded/core.h: reduce() asks whether

@@ -131,8 +131,7 @@ class Preparation:
         self._check_not_reset()
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
-        if self._tp:
-            tensor_parallel.swap_optimizer_params(optimizer, self._models)
+        tensor_parallel.swap_optimizer_params(optimizer, self._models)
         state = self.engine.prepare_optimizer(optimizer)
         prepared = PreparedOptimizer(optimizer, self.engine, state, self.gradient_state)
         if self.gradient_clipping is not None:

@@ -5,9 +5,11 @@
 
 1. activation checkpointing is *planned* (which modules; nothing changes yet), and sequence
    parallelism checks that the model can run Ulysses (a refusal before anything moves);
-2. the weights exist on the device: a meta model is materialised (whole without TP; under
-   TP module by module inside the split, [Note: materialising a meta model shard by shard]
-   in materialize.py), else moved;
+2. the weights exist on the device: a meta model is materialised (whole on ddp/zero1/2,
+   under TP module by module inside the split, on zero3/fsdp a unit at a time as each unit's
+   core is built, [Note: materialising a meta model shard by shard] in materialize.py;
+   from its checkpoint when it has one, [Note: loading a shard, not the model] in
+   pretrained.py), else moved;
 3. tensor parallelism splits the model (hooks around the split modules' own forward) and
    gives the engine its placements ([Note: agreement over the mesh] in tensor/engine.py);
 4. the engine prepares the split model over its group (the ranks holding the same TP slice;
@@ -42,8 +44,8 @@ def compose(acc: Any, model: nn.Module) -> None:
     if acc._ulysses is not None:
         sequence_parallel.check_model(model)
     tp = acc.mesh is not None and acc.mesh.tp_size > 1
-    if materialize.has_meta(model) and not tp:
-        materialize.materialize(model, acc.device, acc.state.group)
+    if materialize.has_meta(model) and not tp and not acc.engine.comm.shards_parameters:
+        materialize.materialize(model, acc.device, acc.state.group)  # zero3/fsdp: a unit at a time
     if tp:
         if materialize.has_meta(model):
             for m in model.modules():  # the buffers (real); the meta parameters stay for the split

@@ -27,6 +27,7 @@ Accelerate): rotary tables and masks are computed by the modules' constructors.
 from __future__ import annotations
 
 import contextlib
+import weakref
 import zlib
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -36,6 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.devices import group_device
+from . import pretrained
+
+MATERIALIZED_ATTR = "_mixprec_materialized"  # id(meta parameter) -> (weakref to it, its replacement)
 
 
 @contextlib.contextmanager
@@ -49,9 +53,7 @@ def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
     def register_parameter(module, name, param):
         old_param(module, name, param)
         if param is not None and param.device.type != "meta":
-            cls = type(module._parameters[name])
-            kwargs = module._parameters[name].__dict__
-            module._parameters[name] = cls(module._parameters[name].to("meta"), **kwargs)
+            module._parameters[name] = _on_meta(module._parameters[name])
 
     def register_buffer(module, name, buffer, persistent=True):
         old_buffer(module, name, buffer, persistent=persistent)
@@ -62,10 +64,37 @@ def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
     if include_buffers:
         nn.Module.register_buffer = register_buffer
     try:
-        yield
+        with pretrained.transformers_loading():  # [Note: loading a shard, not the model]
+            yield
     finally:
         nn.Module.register_parameter = old_param
         nn.Module.register_buffer = old_buffer
+
+
+def _on_meta(param: nn.Parameter) -> nn.Parameter:
+    """``param`` on the meta device, same class and attributes. Attributes such as
+    transformers' ``_is_hf_initialized`` are set after construction, not constructor
+    arguments, so they are copied onto the new parameter rather than passed to it."""
+    cls = type(param)
+    try:
+        out = cls(param.to("meta"), requires_grad=param.requires_grad)
+    except TypeError:  # a subclass whose constructor takes other arguments
+        out = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    out.__dict__.update(param.__dict__)
+    return out
+
+
+def to_device(model: nn.Module, device: torch.device) -> None:
+    """``model.to(device)`` for a model with meta parameters: the real parameters and
+    buffers move, the meta ones stay for the materializer."""
+    with torch.no_grad():
+        for m in model.modules():
+            for k, p in m._parameters.items():
+                if p is not None and not p.is_meta and p.device != device:
+                    p.data = p.data.to(device)
+            for k, b in m._buffers.items():
+                if b is not None and not b.is_meta:
+                    m._buffers[k] = b.to(device)
 
 
 def has_meta(model: nn.Module) -> bool:
@@ -91,13 +120,17 @@ class Materializer:
             seed = on.cpu()
         self.seed = int(seed.item())
         self.init = getattr(model, "_init_weights", None) if hasattr(model, "config") else None
-        self.names: dict[int, str] = {}
+        self.source = pretrained.source_of(model)  # [Note: loading a shard, not the model]
+        self.names: dict[int, list[str]] = {}  # every name of a meta parameter (tied: several)
         self.owners: dict[int, list[tuple[nn.Module, str]]] = {}
         for mname, module in model.named_modules(remove_duplicate=False):
             for pname, p in module._parameters.items():
                 if p is not None and p.is_meta:
-                    self.names.setdefault(id(p), f"{mname}.{pname}" if mname else pname)
+                    self.names.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
                     self.owners.setdefault(id(p), []).append((module, pname))
+        # An optimizer built before prepare() holds the meta parameters: prepare_optimizer
+        # gives it their replacements (swap_optimizer_params in parallel/tensor).
+        self.replaced = model.__dict__.setdefault(MATERIALIZED_ATTR, {})
 
     def module(self, name: str, module: nn.Module) -> dict:
         """Materialise ``module``'s own parameters (whole) where they are still meta; returns
@@ -105,18 +138,24 @@ class Materializer:
         metas = [(pname, p) for pname, p in module._parameters.items() if p is not None and p.is_meta]
         if not metas:
             return {}
+        stored = {pname: self._stored(p) for pname, p in metas}
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed((self.seed + zlib.crc32(name.encode())) % 2**63)
             new = {}
-            for pname, p in metas:
-                t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=self.device) \
-                    if p.dtype.is_floating_point else torch.zeros(p.shape, dtype=p.dtype, device=self.device)
-                new[pname] = nn.Parameter(t, requires_grad=p.requires_grad)
-                module._parameters[pname] = new[pname]
-            self._initialise(name, module)
+            if any(v is None for v in stored.values()):  # the model's init rule for what the file lacks
+                for pname, p in metas:
+                    t = torch.full(p.shape, float("nan"), dtype=p.dtype, device=self.device) \
+                        if p.dtype.is_floating_point else torch.zeros(p.shape, dtype=p.dtype, device=self.device)
+                    new[pname] = nn.Parameter(t, requires_grad=p.requires_grad)
+                    module._parameters[pname] = new[pname]
+                self._initialise(name, module)
+            for pname, p in metas:  # the checkpoint's values replace any initialised ones
+                if stored[pname] is not None:
+                    new[pname] = nn.Parameter(stored[pname], requires_grad=p.requires_grad)
+                    module._parameters[pname] = new[pname]
             for pname, p in metas:
                 t = new[pname]
-                if t.dtype.is_floating_point and bool(torch.isnan(t).any()):
+                if stored[pname] is None and t.dtype.is_floating_point and bool(torch.isnan(t).any()):
                     raise ValueError(
                         f"{name}.{pname} ({type(module).__name__}): built on the meta device, and neither the "
                         f"model's _init_weights nor the module's reset_parameters() gave it values. Initialise it "
@@ -124,7 +163,16 @@ class Materializer:
                         "without init_empty_weights()")
                 for owner, attr in self.owners.get(id(p), [(module, pname)]):  # tied: one tensor everywhere
                     owner._parameters[attr] = t
+                self.replaced[id(p)] = (weakref.ref(p), t)
         return {id(p): new[pname] for pname, p in metas}
+
+    def _stored(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """``p``'s value in the model's checkpoint, a view of the mapped file on the CPU
+        (read only where it is copied), or None without one."""
+        if self.source is None:
+            return None
+        value = self.source.value(self.names.get(id(p), []), p.dtype)
+        return None if value is None else value.to(self.device)
 
     def rest(self) -> None:
         """Every parameter still on the meta device (modules no split touched); then the
@@ -132,7 +180,7 @@ class Materializer:
         resident otherwise, and they would count in the rank's memory until reused)."""
         for name, module in self.model.named_modules():
             self.module(name, module)
-        _trim_heap()
+        trim_heap()
 
     def _initialise(self, name: str, module: nn.Module) -> None:
         if callable(self.init):
@@ -147,7 +195,7 @@ class Materializer:
                    for p in module.parameters(recurse=False))
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """glibc's ``malloc_trim(0)`` where it exists (Linux); nothing elsewhere."""
     import ctypes
     import ctypes.util

@@ -59,19 +59,31 @@ def attach(engine: Any, layout: TPLayout, world_group_name: str) -> None:
 
 
 def swap_optimizer_params(optimizer: Any, models: list) -> None:
-    """An optimizer built from the model's parameters before ``prepare()`` holds the whole
-    ones the split replaced: give it the split parameters (as Accelerate does for FSDP2)."""
+    """An optimizer built from the model's parameters before ``prepare()`` holds the ones
+    prepare() replaced: meta parameters materialised ([Note: materialising a meta model
+    shard by shard] in parallel/materialize.py), whole ones tensor parallelism split. Give
+    it the replacements (as Accelerate does for FSDP2)."""
+    from ..materialize import MATERIALIZED_ATTR
+
     layouts = [lay for lay in map(layout_of, models) if lay is not None]
+    made = [m.__dict__.get(MATERIALIZED_ATTR, {}) for m in models]
 
     def replacement(p):
-        return next((r for lay in layouts if (r := lay.replacement(p)) is not None), None)
+        for table in made:
+            entry = table.get(id(p))
+            if entry is not None and entry[0]() is p:  # ids are addresses: the very tensor
+                p = entry[1]
+                break
+        split = next((r for lay in layouts if (r := lay.replacement(p)) is not None), None)
+        return split if split is not None else p
 
-    stale = [p for g in optimizer.param_groups for p in g["params"] if replacement(p) is not None and p in optimizer.state]
+    stale = [p for g in optimizer.param_groups for p in g["params"] if replacement(p) is not p and p in optimizer.state]
     if stale:
-        raise ValueError(f"{type(optimizer).__name__} already holds state for {len(stale)} parameter(s) that tensor "
-                         "parallelism split; prepare the model and the optimizer before the first optimizer step")
+        raise ValueError(f"{type(optimizer).__name__} already holds state for {len(stale)} parameter(s) that prepare() "
+                         "replaced (materialised or split); prepare the model and the optimizer before the first "
+                         "optimizer step")
     for group in optimizer.param_groups:
-        group["params"] = [p if (r := replacement(p)) is None else r for p in group["params"]]
+        group["params"] = [replacement(p) for p in group["params"]]
 
 
 def layout_of(model: nn.Module) -> Optional[TPLayout]:

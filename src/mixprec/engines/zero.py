@@ -180,10 +180,12 @@ class ShardedComm(GroupComm):
                 broadcast_chunks([params[i] for i in indices if id(params[i]) not in fresh], self.group)
                 core = _C.ShardedCore([params[i] for i in indices], [names[i] for i in indices],
                                       [dtypes[i] for i in indices], self.group_name, self.options)
+                if self.options.shard_params:
+                    trim_heap()  # this core's whole tensors go back to the OS, not into holes
             cores.append(core)
         if materializer is not None:
             materializer.rest()  # frozen and non-floating parameters, whole
-        trim_heap()  # the whole tensors freed along the way go back to the OS
+        trim_heap()
         self.cores[id(model)] = [c for c in cores if c is not None]
         for core in self.cores[id(model)][1:]:
             # [Note: agreed reductions] in csrc/engines/sharded/core.h: reduce() asks whether

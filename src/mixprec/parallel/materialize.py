@@ -39,7 +39,7 @@ from torch import nn
 from ..distributed.devices import group_device
 from . import pretrained
 
-MATERIALIZED_ATTR = "_mixprec_materialized"  # id(meta parameter) -> (weakref to it, its replacement)
+MATERIALIZED_ATTR = "_mixprec_materialized"  # id(meta parameter) -> (weakref to it, its name)
 
 
 @contextlib.contextmanager
@@ -163,7 +163,7 @@ class Materializer:
                         "without init_empty_weights()")
                 for owner, attr in self.owners.get(id(p), [(module, pname)]):  # tied: one tensor everywhere
                     owner._parameters[attr] = t
-                self.replaced[id(p)] = (weakref.ref(p), t)
+                self.replaced[id(p)] = (weakref.ref(p), self.names[id(p)][0])
         return {id(p): new[pname] for pname, p in metas}
 
     def _stored(self, p: nn.Parameter) -> Optional[torch.Tensor]:

@@ -66,14 +66,12 @@ def swap_optimizer_params(optimizer: Any, models: list) -> None:
     from ..materialize import MATERIALIZED_ATTR
 
     layouts = [lay for lay in map(layout_of, models) if lay is not None]
-    made = [m.__dict__.get(MATERIALIZED_ATTR, {}) for m in models]
 
     def replacement(p):
-        for table in made:
-            entry = table.get(id(p))
+        for model in models:
+            entry = model.__dict__.get(MATERIALIZED_ATTR, {}).get(id(p))
             if entry is not None and entry[0]() is p:  # ids are addresses: the very tensor
-                p = entry[1]
-                break
+                return model.get_parameter(entry[1])  # what prepare() left under its name
         split = next((r for lay in layouts if (r := lay.replacement(p)) is not None), None)
         return split if split is not None else p
 

@@ -277,9 +277,12 @@ def start_replicas(model: nn.Module, group: dist.ProcessGroup, group_name: str) 
     check_same_model(model, group)
     # Meta parameters have no values yet: every rank materialises the same ones from one
     # seed ([Note: materialising a meta model shard by shard] in parallel/materialize.py).
-    state = [t.detach() for t in model.parameters() if not t.is_meta] + list(model.buffers())
+    # Parameters go a chunk at a time into fresh memory: the model is never held twice, and
+    # rank 0's memory-mapped checkpoint stays unwritten ([Note: rank 0's values, a core at a
+    # time] in engines/zero.py).
+    broadcast_chunks([t for t in model.parameters() if not t.is_meta], group)
     with torch.no_grad():
-        _C.broadcast_coalesced(state, group_name, 0)
+        _C.broadcast_coalesced(list(model.buffers()), group_name, 0)
 
 
 CHUNK_BYTES = 64 << 20

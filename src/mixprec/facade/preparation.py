@@ -20,7 +20,7 @@ from torch import nn
 from ..compat import state as compat_state
 from ..diagnostics.overflow import OverflowWatch, check_overflow_budget
 from ..engines.gathered import is_guarded
-from ..parallel import materialize
+from ..parallel import materialize, pretrained
 from ..parallel import tensor as tensor_parallel
 from ..parallel.compose import compose
 from ..startup import startup_line
@@ -103,14 +103,35 @@ class Preparation:
     @staticmethod
     def init_empty_weights(include_buffers: bool = False):
         """Accelerate's ``init_empty_weights``: parameters created inside are on the meta device
-        (no memory); ``prepare()`` materialises them, under tensor parallelism only this rank's
-        shards ([Note: materialising a meta model shard by shard] in parallel/materialize.py)::
+        (no memory); ``prepare()`` materialises them, under tensor parallelism, ZeRO-3 and FSDP
+        only this rank's shards ([Note: materialising a meta model shard by shard] in
+        parallel/materialize.py). ``from_pretrained`` inside reads nothing: at ``prepare()``
+        each rank reads its own slices of the safetensors files ([Note: loading a shard, not
+        the model] in parallel/pretrained.py)::
 
             with accelerator.init_empty_weights():
-                model = AutoModelForCausalLM.from_config(config)
-            model = accelerator.prepare(model)
+                model = AutoModelForCausalLM.from_pretrained(path)   # or from_config(config)
+            model, optimizer = accelerator.prepare(model, optimizer)
         """
         return materialize.init_empty_weights(include_buffers)
+
+    @staticmethod
+    def load_weights(model: nn.Module, path, strict: bool = True) -> nn.Module:
+        """Give a model built under :meth:`init_empty_weights` the weights of the safetensors
+        checkpoint at ``path``: a ``.safetensors`` file (``mixprec consolidate`` writes one from a
+        mixprec checkpoint), an HF sharded checkpoint's index json, or a directory holding
+        either. Keys are the model's ``state_dict`` names; ``strict`` as in ``load_state_dict``
+        (``strict=False`` initialises missing parameters by the model's own rule). Shapes and
+        keys are checked now, buffers loaded now; the parameters are read at ``prepare()``,
+        each rank only what it keeps ([Note: loading a shard, not the model] in
+        parallel/pretrained.py). Returns ``model``::
+
+            with accelerator.init_empty_weights():
+                model = MyModel(config)
+            model = accelerator.prepare(accelerator.load_weights(model, "model.safetensors"))
+        """
+        pretrained.load_weights(model, path, strict=strict)
+        return model
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         self._check_not_reset()
@@ -120,6 +141,8 @@ class Preparation:
             return model
         _clear_stale_grads(model)
         compose(self, model)  # TP, the engine, SP, checkpointing: [Note: the order of the parallelisms]
+        from ..parallel.generation import mark_collective_forward
+        mark_collective_forward(self, model)  # HF generate() syncs ranks: [Note: generate() on sharded weights]
         _gather_for_save_pretrained(self, model)
         self._models.append(model)
         if self._log_policy and not self._policy_logged:

@@ -24,7 +24,7 @@ from torch import nn
 from .. import _C, kernels
 from ..checkpoint.format import model_prefix
 from ..policy import PrecisionPolicy, ScalerConfig
-from ..parallel.materialize import Materializer, has_meta, trim_heap
+from ..parallel.materialize import MATERIALIZED_ATTR, Materializer, has_meta, trim_heap
 from ..distributed.structure import check_same_model
 from .comm import GroupComm, broadcast_chunks, sync_off
 from .sharded import Segment, build_segments, check_optimizer
@@ -167,7 +167,8 @@ class ShardedComm(GroupComm):
         # parallel/materialize.py). So a rank holds its shards plus one core's tensors.
         materializer = Materializer(model, self.device, self.group) if has_meta(model) else None
         modules = dict(model.named_modules())
-        fresh: set[int] = set()  # id() of the parameters materialised here
+        # id() of the parameters materialised (here, or whole by compose on zero1/2): equal on every rank
+        fresh = {id(model.get_parameter(name)) for _, name in model.__dict__.get(MATERIALIZED_ATTR, {}).values()}
         cores = []
         for indices in self._partition(model, names, params):
             core = None

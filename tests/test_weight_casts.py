@@ -107,9 +107,12 @@ def test_copies_are_used_and_only_for_large_plain_linears():
     assert [type(m) is nn.Linear for m in model if isinstance(m, nn.Linear)] == [False, False, True]
     assert repr(model[0]).startswith("Linear(")
     assert len(casts.entries) == 2 and IN * BIG >= MIN_NUMEL > 8 * BIG
+    # No copy before the first update: prepare() holds no second copy of the weights, and
+    # the forward casts as autocast does.
+    assert _uses_copies(model, x) == 0 and all(e.copy.numel() == 0 for e in casts.entries.values())
+    _train(acc, model, opt, n=2)
     assert _uses_copies(model, x) == 2
     assert all(e.copy.dtype == torch.bfloat16 for e in casts.entries.values())
-    _train(acc, model, opt, n=2)
     for e in casts.entries.values():  # rewritten by the update: the weight rounded to bf16
         assert e.fresh() and torch.equal(e.copy, e.param.detach().to(torch.bfloat16))
     off, model_off, _ = _prepared("bf16", False)

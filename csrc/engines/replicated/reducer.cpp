@@ -6,6 +6,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -15,6 +16,9 @@
 #include <algorithm>
 #include <map>
 #include <sstream>
+#if defined(__linux__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
 
 namespace mixprec::engines {
 
@@ -23,6 +27,33 @@ namespace {
 bool same_tensor(const at::Tensor& a, const at::Tensor& b) {
   return a.defined() && b.defined() && a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() &&
          a.scalar_type() == b.scalar_type();
+}
+
+}  // namespace
+
+namespace {
+
+// [Note: zero pages until the first backward]
+// A bucket must read as zeros before any gradient lands in it, but on the CPU writing those
+// zeros at construction makes every page resident at prepare(): the whole gradient, while
+// the model is still being loaded. A fresh private anonymous mapping reads as zeros and
+// costs nothing until a page is written, so a CPU bucket of at least 1 MiB is one (freed by
+// munmap with its storage); its pages become resident as the first backward writes them, as
+// with at::zeros after that point. Smaller buckets, other devices and other systems use
+// at::zeros.
+at::Tensor zeroed(at::IntArrayRef sizes, const at::TensorOptions& options) {
+#if defined(__linux__) || defined(__APPLE__)
+  int64_t numel = 1;
+  for (auto s : sizes) numel *= s;
+  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(options.dtype().toScalarType());
+  if (options.device().is_cpu() && nbytes >= (size_t{1} << 20)) {
+    void* p = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED) {
+      return at::from_blob(p, sizes, [nbytes](void* q) { munmap(q, nbytes); }, options);
+    }
+  }
+#endif
+  return at::zeros(sizes, options);
 }
 
 }  // namespace
@@ -128,7 +159,7 @@ void Reducer::build_buckets() {
     bucket.grad_numel = grad_numel;
     // [Note: non-finite check in the copy-in]: one more element in the last bucket.
     const bool flag_here = options_.check_nonfinite && b + 1 == closed.size();
-    bucket.storage = at::zeros({numel + (flag_here ? 1 : 0)}, first.target.options().dtype(dtype));
+    bucket.storage = zeroed({numel + (flag_here ? 1 : 0)}, first.target.options().dtype(dtype));
     if (flag_here) flag_index_ = numel;
     bucket.grad_is_view = true;
     for (auto i : bucket.slots) {

@@ -270,7 +270,7 @@ def check_bucket_caps(**caps_mb: float) -> None:
             raise ValueError(f"{name}={value!r} must be > 0 (MiB)")
 
 
-def start_replicas(model: nn.Module, group: dist.ProcessGroup, group_name: str) -> None:
+def start_replicas(model: nn.Module, group: dist.ProcessGroup, group_name: str, params: bool = True) -> None:
     """Check that every rank built the same model ([Note: structure check at prepare]), then
     give every rank rank 0's parameters and buffers, in the dtypes given (before any
     low-precision cast, so fp32 masters are exact everywhere)."""
@@ -280,7 +280,8 @@ def start_replicas(model: nn.Module, group: dist.ProcessGroup, group_name: str) 
     # Parameters go a chunk at a time into fresh memory: the model is never held twice, and
     # rank 0's memory-mapped checkpoint stays unwritten ([Note: rank 0's values, a core at a
     # time] in engines/zero.py).
-    broadcast_chunks([t for t in model.parameters() if not t.is_meta], group)
+    if params:  # (tensor parallelism sends each module's right before its split: tensor/apply.py)
+        broadcast_chunks([t for t in model.parameters() if not t.is_meta], group)
     with torch.no_grad():
         _C.broadcast_coalesced(list(model.buffers()), group_name, 0)
 

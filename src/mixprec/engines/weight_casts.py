@@ -85,9 +85,12 @@ class _Entry:
     __slots__ = ("copy", "param", "ptr", "offset")
 
     def __init__(self, param: torch.Tensor, dtype: torch.dtype) -> None:
+        # No copy until the first update: until then the forward casts as autocast does (the
+        # same rounding), and prepare() does not hold a second copy of every weight while
+        # the model is still being loaded. The first before_update() makes it (not fresh).
         self.param = param
-        self.copy = param.detach().to(dtype)
-        self.stamp()
+        self.copy = torch.empty(0, dtype=dtype, device=param.device)
+        self.offset, self.ptr = None, None
 
     def stamp(self) -> None:
         """The copy now holds the weight rounded: remember how their versions relate."""
@@ -150,8 +153,7 @@ class WeightCasts:
         """The optimizer stepping these params will keep their copies current."""
         for p in params:
             if id(p) in self.candidates and id(p) not in self.entries:
-                e = self.entries[id(p)] = _Entry(p, self.dtype)
-                self.targets[id(p)] = e.copy
+                self.entries[id(p)] = _Entry(p, self.dtype)  # a target once its copy exists
 
     # ------------------------------------------------------------------ update
     def before_update(self) -> None:

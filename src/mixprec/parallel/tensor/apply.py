@@ -103,12 +103,23 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     A model built on the meta device is materialised module by module, each split module
     right before its split ([Note: materialising a meta model shard by shard] in
     parallel/materialize.py)."""
-    from ...engines.comm import start_replicas
-    from ..materialize import Materializer, has_meta
+    from ...engines.comm import broadcast_chunks, start_replicas
+    from ..materialize import Materializer, has_meta, trim_heap
 
     materializer = Materializer(model, device or torch.device("cpu"), world_group) if has_meta(model) else None
+    sent: set = set()  # id() of the parameters that hold rank 0's values already
+
+    def rank0_values(params) -> None:
+        """Rank 0's values of ``params`` (real ones not sent yet), right before their module
+        is split: a rank holds the whole model once, plus one module's received copy
+        ([Note: rank 0's values, a core at a time] in engines/zero.py)."""
+        todo = [p for p in dict.fromkeys(params) if not p.is_meta and id(p) not in sent]
+        sent.update(id(p) for p in todo)
+        if world_group is not None:
+            broadcast_chunks(todo, world_group)
+
     if world_group is not None:
-        start_replicas(model, world_group, world_group.group_name)
+        start_replicas(model, world_group, world_group.group_name, params=False)
     plans = resolve_plan(model, tp_config)
     if tp.size > 1 and not any(p.style in SPLIT_STYLES for p in plans.values()):
         raise PlanError(nothing_split_message(model, tp_config, tp.size))
@@ -149,6 +160,14 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     # shard by shard] in parallel/materialize.py) then holds one whole large module while few
     # shards exist, and only small ones later (the same order on every rank).
     order = sorted(plans.items(), key=lambda kv: -sum(p.numel() for p in modules[kv[0]].parameters(recurse=False)))
+    # A whole parameter's storage is released once every module splitting it has: an
+    # optimizer built before prepare() still holds it (until prepare_optimizer gives it the
+    # split one), and it would keep the whole model alive meanwhile.
+    readers: dict[int, int] = {}
+    for name, plan in order:
+        if plan.style in SPLIT_STYLES:
+            for p in modules[name].parameters(recurse=False):
+                readers[id(p)] = readers.get(id(p), 0) + 1
     for name, plan in order:
         module = modules[name]
         if plan.style != "grad_allreduce" and plan.style not in SPLIT_STYLES:
@@ -156,6 +175,8 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
         if materializer is not None:  # this module whole, right before its split
             for old_id, new in materializer.module(name, module).items():
                 names_of[id(new)] = names_of.pop(old_id, [])
+                sent.add(id(new))  # equal on every rank by construction
+        rank0_values(module.parameters(recurse=False))
         if plan.style == "grad_allreduce":
             for p in module.parameters(recurse=False):
                 layout.grad_allreduce_ids.add(id(p))
@@ -184,6 +205,11 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 layout.split[pname] = (dim, plan.shape)
                 layout.full_shapes[pname] = full_shapes[attr]
             layout.split_ids.add(id(new))
+        for old in originals.values():
+            if isinstance(old, torch.Tensor) and id(old) in readers:
+                readers[id(old)] -= 1
+                if readers[id(old)] == 0 and not old.is_meta and done_for(old) is not None:
+                    old.data = old.data.new_empty(0)  # split: the whole values are not read again
     # Tied modules elsewhere that still point at an original parameter get the split one.
     for mod in model.modules():
         for attr, p in list(mod._parameters.items()):
@@ -191,6 +217,8 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 mod._parameters[attr] = done_for(p)[0]
     if materializer is not None:
         materializer.rest()
+    rank0_values(p for p in model.parameters() if id(p) not in layout.split_ids)
+    trim_heap()  # the whole tensors freed by the splits go back to the OS
     _localise_heads(model, plans, tp, kv)
     _install_split_rng(model, plans, tp)
     for p in model.parameters():

@@ -79,6 +79,14 @@ void init_sharded(py::module_& m) {
       .def_property_readonly("unsharded", &ShardedCore::unsharded)
       .def("param_buffer_bytes", &ShardedCore::param_buffer_bytes)
       .def("full_masters", &ShardedCore::full_masters, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "gather_master",
+          [](ShardedCore& c, int64_t index, int64_t dst) -> std::optional<at::Tensor> {
+            auto t = c.gather_master(index, dst);
+            if (!t.defined()) return std::nullopt;
+            return t;
+          },
+          py::arg("index"), py::arg("dst") = -1, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("params", &ShardedCore::params)
       .def_property_readonly("master_shard", &ShardedCore::master_shard)
       .def_property_readonly("grad_shard", &ShardedCore::grad_shard)

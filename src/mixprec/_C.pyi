@@ -285,6 +285,10 @@ class ShardedCore:
     def unsharded(self) -> bool: ...
     def param_buffer_bytes(self) -> int: ...
     def full_masters(self) -> list[Tensor]: ...
+    def gather_master(self, index: int, dst: int = -1) -> Optional[Tensor]:
+        """Parameter ``index``'s full fp32 value, gathered from the master shards: only on group
+        rank ``dst`` (None on the others), or on every rank with ``dst=-1``. A collective
+        ([Note: one parameter's master, gathered] in csrc/engines/sharded/core.h)."""
     @property
     def params(self) -> list[Tensor]:
         """The model's parameters this core shards, in model order (the same objects)."""

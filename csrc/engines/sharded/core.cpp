@@ -688,4 +688,48 @@ int64_t ShardedCore::grad_bucket_bytes() const {
   return total;
 }
 
+// [Note: one parameter's master, gathered] in core.h.
+at::Tensor ShardedCore::gather_master(int64_t index, int64_t dst) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t n = static_cast<int64_t>(params_.size());
+  const int64_t world = layout_.world_size();
+  const int64_t me = layout_.rank();
+  TORCH_CHECK_INDEX(index >= 0 && index < n, "gather_master(index=", index, "): this core shards ",
+                    n, " parameter(s); give an index in [0, ", n, ")");
+  TORCH_CHECK_VALUE(dst >= -1 && dst < world, "gather_master(dst=", dst, "): give a rank of the ",
+                    "core's group in [0, ", world, ") to receive the tensor, or -1 for every rank");
+  const auto& bucket = layout_.buckets()[layout_.bucket_of(index)];
+  const int64_t start = layout_.offset_of(index);  // in the bucket's padded space
+  const int64_t numel = params_[index].numel();
+  const bool receives = dst < 0 || me == dst;
+  at::Tensor out;
+  if (receives) out = at::empty({numel}, master_.options());
+  if (numel > 0) {
+    const int64_t shard = bucket.shard;
+    for (int64_t r = start / shard; r <= (start + numel - 1) / shard; ++r) {
+      const int64_t lo = std::max(start, r * shard);
+      const int64_t hi = std::min(start + numel, (r + 1) * shard);
+      at::Tensor place = receives ? out.narrow(0, lo - start, hi - lo) : at::Tensor();
+      at::Tensor mine = me == r ? master_.narrow(0, bucket.shard_offset + lo - r * shard, hi - lo)
+                                : at::Tensor();
+      if (dst < 0) {
+        std::vector<at::Tensor> tensors{me == r ? mine : place};
+        c10d::BroadcastOptions opts;
+        opts.rootRank = r;
+        group_->broadcast(tensors, opts)->wait();
+        if (me == r) place.copy_(mine);
+      } else if (r == dst) {
+        if (me == dst) place.copy_(mine);
+      } else if (me == r) {
+        std::vector<at::Tensor> tensors{mine};
+        group_->send(tensors, static_cast<int>(dst), 0)->wait();
+      } else if (me == dst) {
+        std::vector<at::Tensor> tensors{place};
+        group_->recv(tensors, static_cast<int>(r), 0)->wait();
+      }
+    }
+  }
+  return receives ? out.view(params_[index].sizes()) : out;
+}
+
 }  // namespace mixprec::engines::sharded

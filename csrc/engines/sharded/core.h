@@ -257,6 +257,21 @@ class ShardedCore {
   int64_t param_buffer_bytes() const;
   // Full fp32 value of every parameter (all-gathers the masters), in model order.
   std::vector<at::Tensor> full_masters();
+  // [Note: one parameter's master, gathered]
+  // The full fp32 value of parameter `index` (model order) alone, assembled from the owned
+  // ranges of the master shards: a streaming save's unit (src/mixprec/engines/streamed.py),
+  // where full_masters() would hold a whole core. The parameter's slot may lie in several
+  // ranks' shards ([Note: even split]); each piece goes straight from its owner's master
+  // shard into its place in the result, so the ranks that receive the tensor hold it once
+  // and nothing else (no padded bucket, no staging copy), and the others hold nothing:
+  // * dst >= 0 (a rank of the core's group): only rank dst receives it; every other owner
+  //   sends its piece to dst (point-to-point, matched by order); the other ranks get an
+  //   undefined tensor (None in Python);
+  // * dst == -1: every rank receives it; each owner broadcasts its piece.
+  // A collective: every rank of the group calls it with the same (index, dst), and the
+  // calls of all ranks come in the same order. Not counted in comm_counters(), as
+  // full_masters().
+  at::Tensor gather_master(int64_t index, int64_t dst);
 
   // The model's parameters this core shards, in model order (as given).
   const std::vector<at::Tensor>& params() const { return params_; }

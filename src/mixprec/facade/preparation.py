@@ -252,20 +252,30 @@ def _is_scheduler(obj: Any) -> bool:
 
 
 def _gather_for_save_pretrained(acc: Any, model: nn.Module) -> None:
-    """zero3/fsdp/TP: give the prepared model's context the gather its ``save_pretrained``
-    uses ([Note: save_pretrained of a sharded model] in src/mixprec/wrappers/model.py). Weak
-    references: the model does not keep the Accelerator alive."""
+    """zero3/fsdp/TP: give the prepared model's context the streamed save and the gather its
+    ``save_pretrained`` uses ([Note: save_pretrained of a sharded model] in
+    src/mixprec/wrappers/model.py). Weak references: the model does not keep the Accelerator
+    alive."""
     ctx = getattr(model, "_mixprec_ctx", None)
     if ctx is None or not (tensor_parallel.layout_of(model) is not None
                            or any(is_guarded(p) for p in model.parameters())):
         return
     acc_ref, model_ref = weakref.ref(acc), weakref.ref(model)
 
-    def gather() -> dict:
-        owner, m = acc_ref(), model_ref()
-        if owner is None or m is None:
+    def owner() -> Any:
+        acc = acc_ref()
+        if acc is None or model_ref() is None:
             raise RuntimeError("save_pretrained() of a zero3/fsdp/TP model whose Accelerator is gone: its full "
                                "weights cannot be gathered; pass state_dict= taken with accelerator.get_state_dict(model)")
-        return owner.get_state_dict(m)
+        return acc
+
+    def gather() -> dict:
+        return owner().get_state_dict(model_ref())
+
+    def save(m: nn.Module, save_directory, options: dict) -> bool:
+        from .exports import save_pretrained_streamed
+
+        return save_pretrained_streamed(owner(), m, save_directory, options)
 
     ctx.full_state_dict = gather
+    ctx.save_pretrained = save

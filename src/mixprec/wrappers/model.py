@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import copyreg
+import inspect
 import threading
 from typing import Any, Callable, Optional
 
@@ -108,6 +109,9 @@ class ForwardContext:
         # them (Accelerator.get_state_dict, a collective) for save_pretrained ([Note:
         # save_pretrained of a sharded model]). None: the parameters are the weights.
         self.full_state_dict: Optional[Callable[[], dict]] = None
+        # ... and this saves them a tensor at a time instead, where it can:
+        # (model, save_directory, the call's arguments by name) -> False where it cannot.
+        self.save_pretrained: Optional[Callable[[nn.Module, Any, dict], bool]] = None
 
     def __deepcopy__(self, memo) -> "ForwardContext":
         # A deep copy of a prepared model (an EMA copy, say) runs its forward under the
@@ -119,6 +123,7 @@ class ForwardContext:
         new.on_zero_grad = None
         new.casts = None
         new.full_state_dict = None  # the copy's parameters are its own, full ones
+        new.save_pretrained = None
         return new
 
     def run(self, forward: Callable, args: tuple, kwargs: dict) -> Any:
@@ -244,14 +249,36 @@ class _GatheredSavePretrained:
     reads ``self.state_dict()``; on zero3/fsdp the parameters outside forward hold no data
     (a guarded read raises) and under tensor parallelism they are this rank's slices. For
     a Hugging Face model prepared there, the swapped class (mixin placed only where the
-    user's class has ``save_pretrained``) passes ``state_dict=`` the gathered full weights
-    (``ForwardContext.full_state_dict``: ``Accelerator.get_state_dict``, a collective) when
-    the caller gave none; every rank calls it, as the no_trainer scripts do, and the main
-    process writes. Called on one rank only, the gather is the named desync error."""
+    user's class has ``save_pretrained``) takes the call when the caller gave no
+    ``state_dict``; every rank calls it, as the no_trainer scripts do, and the main process
+    writes. Called on one rank only, it is the named desync error.
+
+    Streamed (``ForwardContext.save_pretrained``: ``save_pretrained_streamed`` in
+    facade/exports.py): the files transformers would write (config and generation config,
+    ``model.safetensors`` or shards of ``max_shard_size`` with their index, tied weights and
+    ``_keys_to_ignore_on_save`` left out by transformers' own functions, stale shards
+    removed) are written by mixprec, one tensor gathered, written and dropped at a time,
+    the bits of ``get_state_dict``; no rank ever holds the model. Where transformers must
+    see the whole state dict (``push_to_hub``, a PEFT adapter, a quantized model, weight
+    conversions to revert, transformers < 5: ``pretrained_unsupported`` in
+    compat/export.py names them), the full weights are gathered
+    (``ForwardContext.full_state_dict``: ``Accelerator.get_state_dict``) and passed as
+    ``state_dict=``, holding the model on every rank, as before. The streamed save does not
+    call ``save_function`` (transformers 5 ignores it too: it writes safetensors itself)."""
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        gather = self._mixprec_ctx.full_state_dict
+        ctx = self._mixprec_ctx
+        gather = ctx.full_state_dict
         if gather is not None and kwargs.get("state_dict") is None and len(args) < 2:
+            if ctx.save_pretrained is not None:
+                try:
+                    bound = inspect.signature(super().save_pretrained).bind(save_directory, *args, **kwargs)
+                except TypeError:  # arguments the class does not take: its own call says so below
+                    bound = None
+                if bound is not None:
+                    bound.apply_defaults()
+                    if ctx.save_pretrained(self, save_directory, dict(bound.arguments)):
+                        return None
             kwargs["state_dict"] = gather()
         return super().save_pretrained(save_directory, *args, **kwargs)
 

@@ -269,3 +269,31 @@ def test_pretrained_rules_follow_transformers(tmp_path):
             assert r[name]["bitwise"] and r[name]["stepped"], (rank, name, r[name])
         assert "model.layers.2" in r["strict"] and "strict=False" in r["strict"], r["strict"]
         assert r["strict_meta"], r
+
+
+def test_transformers_imported_inside_the_context_is_still_mapped(tmp_path):
+    """The loader is replaced at the first parameter registered after transformers is
+    imported, so ``from transformers import ...`` inside ``init_empty_weights()`` (in a fresh
+    interpreter, where nothing imported it before) still maps the checkpoint instead of
+    loading it into parameters that would be turned to meta (and then initialised at random)."""
+    import subprocess
+    import sys
+
+    _save(tmp_path / "m", {**TINY, "tie_word_embeddings": True})
+    code = (
+        "import sys\n"
+        "import mixprec\n"
+        "from mixprec.parallel.pretrained import source_of\n"
+        "assert 'transformers' not in sys.modules\n"
+        "with mixprec.init_empty_weights():\n"
+        "    from transformers import AutoModelForCausalLM\n"
+        f"    model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r})\n"
+        "source = source_of(model)\n"
+        "assert source is not None and len(source.keys) == len(model.state_dict()) - 1, source\n"
+        "assert all(p.is_meta for p in model.parameters())\n"
+        "from transformers.modeling_utils import PreTrainedModel\n"
+        "from mixprec.parallel.pretrained import _transformers_loader\n"
+        "assert PreTrainedModel._load_pretrained_model is not _transformers_loader  # restored\n"
+        "print('mapped')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "mapped" in out.stdout, out.stderr[-3000:]

@@ -50,7 +50,10 @@ def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
     old_param = nn.Module.register_parameter
     old_buffer = nn.Module.register_buffer
 
+    loading = pretrained.TransformersLoading()  # [Note: loading a shard, not the model]
+
     def register_parameter(module, name, param):
+        loading.patch()
         old_param(module, name, param)
         if param is not None and param.device.type != "meta":
             module._parameters[name] = _on_meta(module._parameters[name])
@@ -63,10 +66,11 @@ def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
     nn.Module.register_parameter = register_parameter
     if include_buffers:
         nn.Module.register_buffer = register_buffer
+    loading.patch()
     try:
-        with pretrained.transformers_loading():  # [Note: loading a shard, not the model]
-            yield
+        yield
     finally:
+        loading.restore()
         nn.Module.register_parameter = old_param
         nn.Module.register_buffer = old_buffer
 

@@ -38,9 +38,7 @@ missing by transformers' loading report, as ``from_pretrained`` does.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -167,22 +165,42 @@ def _transformers_loader(model, state_dict, checkpoint_files_, load_config, expe
     return info, None
 
 
-@contextlib.contextmanager
-def transformers_loading() -> Iterator[None]:
-    """Inside: ``from_pretrained`` maps the checkpoint instead of loading it (the Note).
-    Does nothing when transformers was not imported (it is not imported here)."""
-    if "transformers" not in sys.modules:
-        yield
-        return
-    from transformers import modeling_utils
+class TransformersLoading:
+    """While active, ``from_pretrained`` maps the checkpoint instead of loading it (the
+    Note). transformers is never imported here: its loader is replaced when the context
+    starts if ``transformers.modeling_utils`` is imported already, else at the first
+    parameter registered after it is (a model's construction registers parameters before
+    ``from_pretrained`` loads anything), so the order of the user's imports does not matter."""
 
-    cls = modeling_utils.PreTrainedModel
-    old = cls.__dict__.get("_load_pretrained_model")
-    if old is None:
-        yield
-        return
-    cls._load_pretrained_model = staticmethod(_transformers_loader)
-    try:
-        yield
-    finally:
-        cls._load_pretrained_model = old
+    def __init__(self) -> None:
+        self.cls = None
+        self.old = None
+
+    def patch(self) -> None:
+        if self.cls is not None:
+            return
+        modeling_utils = sys.modules.get("transformers.modeling_utils")
+        cls = getattr(modeling_utils, "PreTrainedModel", None)
+        if cls is None:
+            return
+        old = cls.__dict__.get("_load_pretrained_model")
+        self.cls, self.old = cls, old
+        # A transformers whose loader is not the one mapped here would load into parameters
+        # that init_empty_weights() turns to meta: refused, never a model of random weights.
+        cls._load_pretrained_model = staticmethod(_transformers_loader if isinstance(old, staticmethod)
+                                                  else _unknown_loader)
+
+    def restore(self) -> None:
+        if self.cls is not None:
+            if self.old is None:
+                del self.cls._load_pretrained_model
+            else:
+                self.cls._load_pretrained_model = self.old
+            self.cls = self.old = None
+
+
+def _unknown_loader(*args, **kwargs):
+    import transformers
+
+    _refuse(f"transformers {transformers.__version__} (its PreTrainedModel._load_pretrained_model is not the "
+            "staticmethod mixprec maps checkpoints for)")

@@ -107,14 +107,21 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
     from ..materialize import Materializer, has_meta, trim_heap
 
     materializer = Materializer(model, device or torch.device("cpu"), world_group) if has_meta(model) else None
-    sent: set = set()  # id() of the parameters that hold rank 0's values already
+    # The parameters that hold rank 0's values already (sent, or materialised: equal on every
+    # rank). Weak references: a split frees whole parameters, and a later one may reuse an id.
+    sent: dict = {}
+
+    def mark(p) -> None:
+        sent[id(p)] = weakref.ref(p)
 
     def rank0_values(params) -> None:
         """Rank 0's values of ``params`` (real ones not sent yet), right before their module
         is split: a rank holds the whole model once, plus one module's received copy
         ([Note: rank 0's values, a core at a time] in engines/zero.py)."""
-        todo = [p for p in dict.fromkeys(params) if not p.is_meta and id(p) not in sent]
-        sent.update(id(p) for p in todo)
+        todo = [p for p in dict.fromkeys(params)
+                if not p.is_meta and not (id(p) in sent and sent[id(p)]() is p)]
+        for p in todo:
+            mark(p)
         if world_group is not None:
             broadcast_chunks(todo, world_group)
 
@@ -175,7 +182,7 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
         if materializer is not None:  # this module whole, right before its split
             for old_id, new in materializer.module(name, module).items():
                 names_of[id(new)] = names_of.pop(old_id, [])
-                sent.add(id(new))  # equal on every rank by construction
+                mark(new)  # equal on every rank by construction
         rank0_values(module.parameters(recurse=False))
         if plan.style == "grad_allreduce":
             for p in module.parameters(recurse=False):
@@ -217,6 +224,8 @@ def apply_tensor_parallel(model: nn.Module, tp_config: Any, tp: TPGroup, *, worl
                 mod._parameters[attr] = done_for(p)[0]
     if materializer is not None:
         materializer.rest()
+        for _, name in materializer.replaced.values():
+            mark(model.get_parameter(name))
     rank0_values(p for p in model.parameters() if id(p) not in layout.split_ids)
     trim_heap()  # the whole tensors freed by the splits go back to the OS
     _localise_heads(model, plans, tp, kv)

@@ -162,6 +162,7 @@ def _memory_run(state, out_dir: str, backends: list) -> dict:
     return results
 
 
+@pytest.mark.e2e  # fresh 2-rank processes on a 67M model: `make test-e2e` (CI runs it)
 def test_saves_stream_a_tensor_at_a_time_on_every_rank(tmp_path):
     """Issue #47 point 5: save_pretrained (on every rank, sharded with an index at 100MB),
     save_16bit_model (safetensors and .bin) and save_model grow no rank by more than 2 x the

@@ -22,7 +22,7 @@ import json
 import os
 
 import pytest
-
+from _anon_memory import AnonPeak
 from harness import run_distributed
 
 pytest.importorskip("transformers")
@@ -57,40 +57,6 @@ def _file_state(path) -> dict:
     return {k: files.tensor(k) for k in files.keys()}
 
 
-def _anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-class _Peak:
-    """Largest RssAnon sample (5 ms period) while the block runs, minus the one before it."""
-
-    def __enter__(self):
-        import threading
-
-        from mixprec.parallel.materialize import trim_heap
-
-        trim_heap()
-        self.base = self.peak = _anon()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self):
-        while not self.stop.wait(0.005):
-            self.peak = max(self.peak, _anon())
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, _anon())
-        self.growth = self.peak - self.base
-
-
 def _memory_run(state, path: str, backend: str, tp: bool) -> dict:
     import gc
 
@@ -111,7 +77,7 @@ def _memory_run(state, path: str, backend: str, tp: bool) -> dict:
     for recipe, how in recipes.items():
         acc = Accelerator(backend=backend, mixed_precision="bf16", log_policy=False,
                           config={"tensor_parallel": {"size": 2}} if tp else {})
-        with _Peak() as peak:
+        with AnonPeak() as peak:
             if recipe == "eager":
                 model = AutoModelForCausalLM.from_pretrained(path)
             else:
@@ -236,7 +202,7 @@ def _consolidated(tmp) -> str:
 
     acc = Accelerator(mixed_precision="no", cpu=True, log_policy=False)
     torch.manual_seed(1)
-    model = acc.prepare(LlamaForCausalLM(LlamaConfig(**{**TINY, "tie_word_embeddings": False})))
+    acc.prepare(LlamaForCausalLM(LlamaConfig(**{**TINY, "tie_word_embeddings": False})))
     acc.save_state(str(tmp / "ckpt"))
     acc.end_training()
     return str(consolidate(str(tmp / "ckpt"), str(tmp / "consolidated" / "model.safetensors")))

@@ -38,7 +38,7 @@ import json
 import os
 
 import pytest
-
+from _anon_memory import AnonPeak
 from harness import run_distributed
 
 pytest.importorskip("transformers")
@@ -51,40 +51,6 @@ BOUND = 2 * 1.1  # x the largest tensor's fp32 bytes
 
 
 # ---------------------------------------------------------------- memory (fresh ranks)
-def _anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon in /proc/self/status")
-
-
-class _Peak:
-    """Largest RssAnon sample (5 ms period) while the block runs, minus the one before it."""
-
-    def __enter__(self):
-        import threading
-
-        from mixprec.parallel.materialize import trim_heap
-
-        trim_heap()
-        self.base = self.peak = _anon()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self):
-        while not self.stop.wait(0.005):
-            self.peak = max(self.peak, _anon())
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.peak = max(self.peak, _anon())
-        self.growth = self.peak - self.base
-
-
 def _json(path: str):
     with open(path) as f:
         return json.load(f)
@@ -138,11 +104,11 @@ def _memory_run(state, out_dir: str, backends: list) -> dict:
             ("save_model", acc.save_model, (model, os.path.join(d, "sm")), {"max_shard_size": "100MB"}),
         ]
         for name, call, args, kwargs in saves:
-            with _Peak() as peak:
+            with AnonPeak() as peak:
                 call(*args, **kwargs)
             r[name] = peak.growth / model_bytes
         del saves
-        with _Peak() as peak:
+        with AnonPeak() as peak:
             full = acc.get_state_dict(model)
         r["get_state_dict"] = peak.growth / model_bytes
         if acc.is_main_process:

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -30,17 +29,7 @@ def _cast(dtype, source: torch.dtype) -> torch.dtype:
 def _atomic_write(out: Path, entries: list, produce, metadata: dict) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            fmt.write_safetensors(f, entries, produce, metadata)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return out
+    return fmt.atomic_write(out, lambda f: fmt.write_safetensors(f, entries, produce, metadata))
 
 
 def consolidate(checkpoint, out, dtype=None, model: int = 0) -> Path:

@@ -41,7 +41,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import BinaryIO, Iterable, Optional
+from typing import BinaryIO, Callable, Iterable, Optional
 
 import zlib
 
@@ -404,3 +404,20 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable) -> Path:
+    """``write(f)`` into a temporary file beside ``path`` (fsynced), then renamed onto it:
+    a failure leaves any previous ``path`` in place."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path

@@ -109,26 +109,9 @@ def _shards(entries: Entries, limit: int) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------ atomic files
-def atomic_write(path: Path, write: Callable) -> Path:
-    """``write(f)`` into a temporary file beside ``path`` (fsynced), then renamed onto it:
-    a failure leaves any previous ``path`` in place."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
-
-
 def write_json(path: Path, obj: dict) -> Path:
     data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-    return atomic_write(path, lambda f: f.write(data))
+    return fmt.atomic_write(path, lambda f: f.write(data))
 
 
 def write_file(path: Path, entries: Entries, produce: Produce, safe: bool,
@@ -137,7 +120,7 @@ def write_file(path: Path, entries: Entries, produce: Produce, safe: bool,
     written a tensor at a time]): safetensors when ``safe``, ``torch.save`` otherwise."""
     path = Path(path)
     if safe:
-        return atomic_write(path, lambda f: fmt.write_safetensors(f, entries, produce, metadata or {"format": "pt"}))
+        return fmt.atomic_write(path, lambda f: fmt.write_safetensors(f, entries, produce, metadata or {"format": "pt"}))
     stage = path.parent / f".{path.name}.stage-{os.getpid()}.safetensors"
     try:
         with open(stage, "wb") as f:
@@ -154,7 +137,7 @@ def _save_mapped(path: Path, stage: Path, names: list) -> None:
     of its mapped pages (the mapping goes when they do, on return)."""
     mapped = MappedSafetensors([stage])
     state = {name: mapped.tensor(name) for name in names}
-    atomic_write(path, lambda f: torch.save(state, f))
+    fmt.atomic_write(path, lambda f: torch.save(state, f))
 
 
 # ----------------------------------------------------------- save_model / save_16bit_model

@@ -26,8 +26,10 @@ _PLUGIN = ("configure the backend with Accelerator(backend=..., config=...) (doc
            "JSON converts with `mixprec config import FILE`")
 GAPS = {
     "accelerate": {
-        "AutocastKwargs": "use accelerator.autocast(enabled=...) or mixed_precision= (kwargs_handlers refuses it naming that)",
-        "ProfileKwargs": "use torch.profiler.profile around the loop (kwargs_handlers refuses it naming that)",
+        "AutocastKwargs": "use accelerator.autocast(enabled=...) or mixed_precision=; Accelerate's own instance works as "
+                          "accelerator.autocast(handler) (kwargs_handlers refuses it naming that)",
+        "ProfileKwargs": "use accelerator.profile(), which takes Accelerate's own instance, or torch.profiler.profile "
+                         "(kwargs_handlers refuses it naming that)",
         "DDPCommunicationHookType": "mixprec's ddp engine has no communication hooks (it reduces in fp32 itself)",
         "DeepSpeedPlugin": _PLUGIN,
         "FullyShardedDataParallelPlugin": _PLUGIN,

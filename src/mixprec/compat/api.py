@@ -55,6 +55,50 @@ class AccelerateApi:
         return self.state.world_size > 1
 
     @property
+    def multi_device(self) -> bool:
+        """Accelerate's: several processes with a device each under plain data parallelism
+        (``MULTI_GPU``); False on one process, on CPUs and on the sharding engines (``FSDP``)."""
+        return self.use_distributed and self.distributed_type == DistributedType.MULTI_GPU
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This process's rank in its tensor-parallel group (0 without tensor parallelism, as
+        Accelerate answers when TP is configured but off)."""
+        mesh = getattr(self, "mesh", None)
+        return 0 if mesh is None else mesh.tp_rank
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """Raises NotImplementedError, as Accelerate's does: no pipeline parallelism."""
+        raise NotImplementedError("pipeline_parallel_rank: pipeline parallelism is not supported (as in Accelerate)")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Raises NotImplementedError, as Accelerate's does: no ring context parallelism (mixprec's
+        long-sequence split is sequence parallelism: docs/sequence_parallel.md)."""
+        raise NotImplementedError(
+            "context_parallel_rank: context parallelism is not supported (as in Accelerate); mixprec splits long "
+            "sequences with sequence parallelism (docs/sequence_parallel.md)"
+        )
+
+    @property
+    def project_dir(self) -> Optional[str]:
+        """``project_configuration.project_dir``, as in Accelerate."""
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> Optional[str]:
+        """Where the trackers write: ``project_dir`` (Accelerate's ``logging_dir`` defaults to
+        it; mixprec's ProjectConfiguration has no separate one). None without a project_dir
+        (the trackers then write in the current directory)."""
+        return self.project_configuration.project_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """``project_configuration.iteration``: the number the next automatic checkpoint gets."""
+        return self.project_configuration.iteration
+
+    @property
     def is_last_process(self) -> bool:
         return self.state.rank == self.state.world_size - 1
 

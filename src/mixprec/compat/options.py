@@ -122,12 +122,13 @@ _HANDLERS = {
 
 # Accelerate handlers that configure something mixprec has no counterpart for, with the fix.
 _NO_COUNTERPART = {
-    "AutocastKwargs": "use accelerator.autocast(enabled=...) or mixed_precision=",
+    "AutocastKwargs": "pass it to accelerator.autocast(autocast_handler) around the block, or use mixed_precision=",
     "FP8RecipeKwargs": "fp8 is not supported; use mixed_precision='bf16'",
     "AORecipeKwargs": "fp8 is not supported; use mixed_precision='bf16'",
     "TERecipeKwargs": "fp8 is not supported; use mixed_precision='bf16'",
     "MSAMPRecipeKwargs": "fp8 is not supported; use mixed_precision='bf16'",
-    "ProfileKwargs": "use torch.profiler.profile directly around your loop",
+    "ProfileKwargs": ("use torch.profiler.profile directly around your loop, or pass it to "
+                      "accelerator.profile(profile_handler)"),
 }
 
 

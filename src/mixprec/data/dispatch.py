@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,8 +116,10 @@ class DispatchedLoader:
     """
 
     def __init__(self, loader: Any, *, rank: int, world_size: int, group: Any, split_batches: bool,
-                 even_batches: bool, prefetch: int = 2) -> None:
+                 even_batches: bool, prefetch: int = 2, slice_fn: Optional[Callable] = None) -> None:
         self.loader = loader
+        # Accelerate's slice_fn_for_dispatch: fn(batch, slice(lo, hi), process_index=, num_processes=).
+        self.slice_fn = slice_fn
         self.rank, self.world_size, self.group = rank, world_size, group
         self.split_batches, self.even_batches = split_batches, even_batches
         self.prefetch = max(0, int(prefetch))  # 0: no overlap (a baseline)
@@ -208,7 +210,11 @@ class DispatchedLoader:
             while batch_length(concat_batches(fill)) < need:
                 fill.append(first)
             batch = concat_batches([batch, slice_batch(concat_batches(fill), 0, need)])
-        return [slice_batch(batch, r * p, min((r + 1) * p, n if not self.even_batches else p * W)) for r in range(W)]
+        end = n if not self.even_batches else p * W
+        if self.slice_fn is not None:
+            return [self.slice_fn(batch, slice(r * p, min((r + 1) * p, end)), process_index=r, num_processes=W)
+                    for r in range(W)]
+        return [slice_batch(batch, r * p, min((r + 1) * p, end)) for r in range(W)]
 
     def _put(self, q: "queue.Queue", item: Any, stop: threading.Event) -> None:
         """Queue ``item`` unless the pass was stopped (then nobody reads the queue)."""

@@ -87,15 +87,24 @@ class CheckpointSession:
         return str(target)
 
     @desync.tracked("load_state")
-    def load_state(self, input_dir: Optional[str] = None) -> str:
+    def load_state(self, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
+                   **load_model_func_kwargs) -> str:
         """Restore what :meth:`save_state` wrote, into the prepared objects, whatever backend
         or world size saved it. Without ``input_dir`` (automatic naming) the newest complete
         checkpoint. Collective. A mismatch or a corrupt checkpoint raises and loads nothing.
+
+        Accelerate's extra arguments: mixprec reads every non-tensor file with
+        ``torch.load(weights_only=True)`` on the CPU and puts each tensor where the engine
+        keeps it, so ``load_kwargs`` may only repeat that (``{}``, ``{"weights_only": True}``,
+        ``{"map_location": "cpu"}``) and ``map_location=`` only be ``"cpu"`` or ``"on_device"``;
+        anything else raises ``NotImplementedError`` naming it (a trusted class a file
+        pickles: ``torch.serialization.add_safe_globals([cls])`` before ``load_state``).
 
         Example::
 
             accelerator.load_state("ckpt/step_500")
         """
+        _check_load_kwargs(load_kwargs, load_model_func_kwargs)
         self._call_check(self.state, "load_state")
         config = self.project_configuration
         if input_dir is None:
@@ -155,4 +164,27 @@ class CheckpointSession:
             raise ValueError(
                 "a load_state pre-hook removed entries from models to skip loading them; mixprec always "
                 "loads every prepared model: leave the list as it is"
+            )
+
+
+_READER_LOADS = {"weights_only": True, "map_location": "cpu"}  # what mixprec's checkpoint reader does
+
+
+def _check_load_kwargs(load_kwargs: Optional[dict], model_kwargs: dict) -> None:
+    """``load_state``'s Accelerate arguments: accepted where they ask for what mixprec's reader
+    does anyway, refused naming them otherwise."""
+    for key, value in (load_kwargs or {}).items():
+        if _READER_LOADS.get(key, object()) != value:
+            raise NotImplementedError(
+                f"load_state(load_kwargs={{{key!r}: {value!r}}}): mixprec reads a checkpoint's non-tensor files "
+                f"with torch.load(weights_only=True, map_location='cpu') and places each tensor itself; "
+                f"{key}={value!r} is not supported. Drop it (for a class a trusted file pickles, call "
+                f"torch.serialization.add_safe_globals([cls]) before load_state)"
+            )
+    for key, value in model_kwargs.items():
+        if key != "map_location" or value not in ("cpu", "on_device", None):
+            raise NotImplementedError(
+                f"load_state({key}={value!r}): mixprec's engines restore the weights and optimizer state "
+                f"onto the devices they keep them on themselves (Accelerate's map_location='cpu' or "
+                f"'on_device' are accepted, as no-ops); drop {key}="
             )

@@ -11,7 +11,7 @@ records the position in the pass and ``load_state`` resumes there.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -64,9 +64,21 @@ class Loaders:
         if self.use_stateful_dataloader:
             stateful_loader_class()
 
-    def prepare_data_loader(self, dataloader: torch.utils.data.DataLoader,
-                            device_placement: Optional[bool] = None) -> PreparedDataLoader:
+    def prepare_data_loader(self, data_loader: torch.utils.data.DataLoader,
+                            device_placement: Optional[bool] = None,
+                            slice_fn_for_dispatch: Optional[Callable] = None) -> PreparedDataLoader:
+        """Prepare one dataloader (``prepare()`` calls this for each). ``device_placement``:
+        whether batches are moved to ``accelerator.device`` (None: the Accelerator's
+        ``device_placement``). ``slice_fn_for_dispatch``: under ``dispatch_batches``, how rank 0
+        cuts each batch into the ranks' pieces, Accelerate's signature
+        ``fn(batch, slice(lo, hi), process_index=r, num_processes=n)`` returning rank ``r``'s
+        piece (default: tensors and per-sample lists sliced ``[lo:hi]``); unused when the
+        loader is sharded instead, as in Accelerate."""
         self._check_not_reset()
+        if slice_fn_for_dispatch is not None and not callable(slice_fn_for_dispatch):
+            raise TypeError(f"prepare_data_loader(slice_fn_for_dispatch={slice_fn_for_dispatch!r}) needs a callable "
+                            f"fn(batch, slice, process_index=, num_processes=)")
+        dataloader = data_loader
         if isinstance(dataloader, PreparedDataLoader):
             if dataloader in self._dataloaders:
                 return dataloader  # preparing twice gives the same loader
@@ -74,7 +86,7 @@ class Loaders:
         original = dataloader
         loader_cls = stateful_loader_class() if self.use_stateful_dataloader else torch.utils.data.DataLoader
         if self._dispatches(dataloader) and self.state.world_size > 1:
-            dataloader = self._dispatched(dataloader, loader_cls)
+            dataloader = self._dispatched(dataloader, loader_cls, slice_fn_for_dispatch)
         else:
             dataloader = self._sharded(dataloader, loader_cls)
         place = self.device_placement if device_placement is None else device_placement
@@ -102,7 +114,8 @@ class Loaders:
             )
         return dispatch
 
-    def _dispatched(self, dataloader: torch.utils.data.DataLoader, loader_cls: type):
+    def _dispatched(self, dataloader: torch.utils.data.DataLoader, loader_cls: type,
+                    slice_fn: Optional[Callable] = None):
         from ..data.dispatch import DispatchedLoader
 
         if self._dispatch_group is None:  # its own group: [Note: dispatching batches]
@@ -111,7 +124,7 @@ class Loaders:
             dataloader = _as_stateful(dataloader, loader_cls)
         return DispatchedLoader(dataloader, rank=self.state.rank, world_size=self.state.world_size,
                                 group=self._dispatch_group, split_batches=self.split_batches,
-                                even_batches=self.even_batches)
+                                even_batches=self.even_batches, slice_fn=slice_fn)
 
     def _sharded(self, dataloader: torch.utils.data.DataLoader, loader_cls: type):
         """The loader over this rank's share (one process: the user's loader, re-made only for

@@ -73,13 +73,22 @@ class Preparation:
         if self.__dict__.get("_state_reset"):
             raise AttributeError(compat_state.RESET_MESSAGE.format(name="distributed_type"))
 
-    def prepare(self, *objs: Any):
+    def prepare(self, *objs: Any, device_placement: Optional[list] = None):
         """Wrap models, optimizers, dataloaders and schedulers; returned in the order given.
 
         Models are prepared first, then optimizers (so they can be pointed at fp32
-        masters), then schedulers and dataloaders.
+        masters), then schedulers and dataloaders. ``device_placement``, as in Accelerate: one
+        bool (or None) per object, handed to ``prepare_model``/``prepare_optimizer``/
+        ``prepare_data_loader`` (schedulers ignore theirs).
         """
         self._check_not_reset()
+        if device_placement is None:
+            device_placement = [None] * len(objs)
+        elif len(device_placement) != len(objs):
+            raise ValueError(
+                f"prepare(device_placement={device_placement!r}) has {len(device_placement)} entries for "
+                f"{len(objs)} objects; give one bool (or None) per object passed"
+            )
         for obj in objs:
             if not isinstance(obj, (nn.Module, torch.optim.Optimizer, torch.utils.data.DataLoader)) and not _is_scheduler(obj):
                 raise TypeError(
@@ -89,13 +98,13 @@ class Preparation:
         out: list[Any] = list(objs)
         for i, obj in enumerate(objs):
             if isinstance(obj, nn.Module):
-                out[i] = self.prepare_model(obj)
+                out[i] = self.prepare_model(obj, device_placement=device_placement[i])
         for i, obj in enumerate(objs):
             if isinstance(obj, torch.optim.Optimizer):
-                out[i] = self.prepare_optimizer(obj)
+                out[i] = self.prepare_optimizer(obj, device_placement=device_placement[i])
         for i, obj in enumerate(objs):
             if isinstance(obj, torch.utils.data.DataLoader):
-                out[i] = self.prepare_data_loader(obj)
+                out[i] = self.prepare_data_loader(obj, device_placement=device_placement[i])
             elif _is_scheduler(obj):
                 out[i] = self.prepare_scheduler(obj)
         return out[0] if len(out) == 1 else tuple(out)
@@ -133,10 +142,30 @@ class Preparation:
         pretrained.load_weights(model, path, strict=strict)
         return model
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Prepare one model (``prepare()`` calls this for each model it gets).
+
+        ``device_placement``: None or True, the engine places the model on
+        ``accelerator.device`` (it keeps the parameters, their fp32 masters or shards there);
+        False is honoured for a model already there and otherwise raises
+        ``NotImplementedError`` (the engines cannot run a model left elsewhere).
+
+        ``evaluation_mode=True`` (Accelerate: prepare for inference, without the DDP/FSDP
+        wrapping that training needs): the model is prepared as any other, with the
+        policy's forward (autocast, casts) and registered for ``save_state``. Nothing of
+        what Accelerate skips has a cost here for a model that never runs backward: the
+        ddp engine synchronises gradients in backward only, and on zero3/fsdp/TP the forward
+        gathers the shards it computes with. Its outputs are the training preparation's.
+        """
         self._check_not_reset()
         if isinstance(model, PreparedOptimizer):
             raise TypeError("prepare_model() got an optimizer")
+        if evaluation_mode not in (True, False):
+            raise TypeError(f"prepare_model(evaluation_mode={evaluation_mode!r}) needs a bool")
+        if device_placement is False:
+            _refuse_unplaced("prepare_model", self.device,
+                             list(model.parameters()) + list(model.buffers()))
         if is_prepared(model) and model in self._models:
             return model
         _clear_stale_grads(model)
@@ -150,8 +179,17 @@ class Preparation:
             self._policy_logged = True
         return model
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: Optional[bool] = None) -> PreparedOptimizer:
+        """Hand one optimizer to the engine (``prepare()`` calls this for each optimizer).
+        ``device_placement``: None or True, its state goes where the engine keeps the
+        parameters; False is honoured for state already on ``accelerator.device`` (or none
+        yet) and otherwise raises ``NotImplementedError``."""
         self._check_not_reset()
+        if device_placement is False and not isinstance(optimizer, PreparedOptimizer):
+            _refuse_unplaced("prepare_optimizer", self.device,
+                             [v for st in optimizer.state.values() for v in st.values()
+                              if isinstance(v, torch.Tensor) and v.dim() > 0])
         if isinstance(optimizer, PreparedOptimizer):
             return optimizer
         tensor_parallel.swap_optimizer_params(optimizer, self._models)
@@ -197,12 +235,24 @@ class Preparation:
         self._schedulers.append(prepared)
         return prepared
 
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
         """The user's module. With ``keep_fp32_wrapper=False`` the policy's forward
-        behaviour (autocast, input/output casts) is removed from it."""
+        behaviour (autocast, input/output casts) is removed from it. A ``torch.compile``'d
+        model: ``keep_torch_compile=True`` (Accelerate's default) returns the compiled
+        module, ``False`` the module it compiled (its ``_orig_mod``)."""
+        inner = getattr(model, "_orig_mod", None) if _is_compiled(model) else None
         if not keep_fp32_wrapper:
-            restore_class(model)
+            restore_class(model if inner is None else inner)
+        if inner is not None and not keep_torch_compile:
+            return inner
         return model
+
+    def verify_device_map(self, model: nn.Module) -> bool:
+        """Whether ``model`` (or a submodule) was loaded with a big-model-inference device map
+        over more than one device (transformers' ``from_pretrained(device_map="auto")`` sets
+        ``hf_device_map``), as Accelerate's method answers."""
+        return any(len(getattr(m, "hf_device_map", None) or {}) > 1 for m in model.modules())
 
     @property
     def tp_plan(self) -> dict:
@@ -242,6 +292,26 @@ def _clear_stale_grads(model: nn.Module) -> None:
         f"([Note: gradients before prepare()] in mixprec/facade/preparation.py)",
         StaleGradientsWarning, stacklevel=4,
     )
+
+
+def _is_compiled(model: Any) -> bool:
+    """A ``torch.compile``'d module (``torch._dynamo``'s OptimizedModule)."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module)
+
+
+def _refuse_unplaced(method: str, device: torch.device, tensors: list) -> None:
+    """``device_placement=False``: the engines keep what they manage on the Accelerator's
+    device, so a tensor elsewhere cannot be left where it is."""
+    def there(d: torch.device) -> bool:
+        return d.type == "meta" or (d.type == device.type and (device.index is None or d.index in (None, device.index)))
+
+    elsewhere = sorted({str(t.device) for t in tensors if not there(t.device)})
+    if elsewhere:
+        raise NotImplementedError(
+            f"{method}(device_placement=False): mixprec's engine keeps the parameters and optimizer state it "
+            f"manages on accelerator.device ({device}), and these are on {', '.join(elsewhere)}; it cannot leave "
+            f"them there. Move them to {device} yourself or pass device_placement=None"
+        )
 
 
 def _is_scheduler(obj: Any) -> bool:

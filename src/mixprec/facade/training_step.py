@@ -8,6 +8,7 @@ block (mixprec/join.py) and ``progress()`` (mixprec/progress.py) about them.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -37,9 +38,27 @@ class TrainingStep:
         """True when the current micro-batch ends an accumulation window."""
         return self.gradient_state.sync_gradients
 
-    def autocast(self, enabled: bool = True):
+    def autocast(self, autocast_handler=None, *, enabled: bool = True):
         """The policy's autocast as a context manager; ``enabled=False`` steps out of it
-        locally (a prepared model called inside does not turn it back on)."""
+        locally (a prepared model called inside does not turn it back on).
+
+        ``autocast_handler``: Accelerate's ``AutocastKwargs`` (any object with ``enabled``);
+        its ``enabled`` acts as ``enabled=`` does (both given: autocast runs only if both
+        are True). Its ``cache_enabled`` leaves torch's weight cache on either way, as in
+        Accelerate (which passes it only when True, torch's default).
+        """
+        if isinstance(autocast_handler, bool):
+            raise TypeError(
+                f"autocast({autocast_handler!r}): the first argument is Accelerate's autocast_handler "
+                f"(an AutocastKwargs); write autocast(enabled={autocast_handler!r})"
+            )
+        if autocast_handler is not None:
+            if not isinstance(getattr(autocast_handler, "enabled", None), bool):
+                raise TypeError(
+                    f"autocast(autocast_handler={autocast_handler!r}) needs Accelerate's AutocastKwargs (an "
+                    f"object with a bool `enabled`); or use autocast(enabled=...)"
+                )
+            enabled = bool(enabled and autocast_handler.enabled)
         stack = contextlib.ExitStack()
         stack.enter_context(self._autocast_gate.override(enabled))
         if enabled and self.policy.autocast_enabled:
@@ -47,6 +66,58 @@ class TrainingStep:
         elif not enabled:
             stack.enter_context(torch.autocast(self.device.type, enabled=False))
         return stack
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler=None):
+        """``torch.profiler.profile`` around the block, yielding the profiler (Accelerate's
+        ``profile``). ``profile_handler``: Accelerate's ``ProfileKwargs`` (any object with
+        ``build()`` returning a profiler); without one, torch's defaults (CPU activity, and
+        CUDA's where torch has it). When the handler has an ``output_trace_dir``, each
+        process writes ``profile_<process_index>.json`` (a Chrome trace) there and the
+        processes then wait for each other, as Accelerate does::
+
+            with accelerator.profile() as prof:
+                train_step()
+            accelerator.print(prof.key_averages().table(row_limit=10))
+        """
+        import torch.profiler
+
+        if profile_handler is not None and not callable(getattr(profile_handler, "build", None)):
+            raise TypeError(
+                f"profile(profile_handler={profile_handler!r}) needs Accelerate's ProfileKwargs (an object "
+                f"with build()); or call profile() for torch's defaults"
+            )
+        profiler = torch.profiler.profile() if profile_handler is None else profile_handler.build()
+        with profiler:
+            yield profiler
+        out_dir = getattr(profile_handler, "output_trace_dir", None)
+        if out_dir is None:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(out_dir, f"profile_{self.process_index}.json"))
+        self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        """Accelerate's context-parallel block. mixprec has no ring context parallelism, so
+        this is Accelerate's block with context parallelism off: nothing happens inside.
+        Buffers to shard along the sequence (``buffers``, ``buffer_seq_dims``,
+        ``no_restore_buffers``) raise ``NotImplementedError``: mixprec splits long sequences
+        with sequence parallelism (Ulysses; the ``sequence_parallel`` config section, whose
+        ``prepare_batches`` shards the batches' sequence dimension; docs/sequence_parallel.md).
+        """
+        for name, value in (("buffers", buffers), ("buffer_seq_dims", buffer_seq_dims),
+                            ("no_restore_buffers", no_restore_buffers)):
+            if value:
+                shown = f"<{len(value)} item(s)>" if not isinstance(value, (int, str)) else repr(value)
+                raise NotImplementedError(
+                    f"maybe_context_parallel({name}={shown}): mixprec has no ring context parallelism to shard "
+                    f"buffers along the sequence. Use sequence parallelism instead: the config's "
+                    f"sequence_parallel section (size=, prepare_batches=True shards the batches' sequence "
+                    f"dimension; docs/sequence_parallel.md), and call maybe_context_parallel() without buffers "
+                    f"or not at all"
+                )
+        yield
 
     def _divide_for_accumulation(self, loss: torch.Tensor) -> torch.Tensor:
         steps = self.gradient_state.accumulation_steps

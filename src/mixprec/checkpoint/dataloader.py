@@ -8,7 +8,29 @@ order, and the sharded sampler's epoch and shuffle seed. ``load_state`` arms the
 semantics), so the loop continues with the batch that came next.
 
 Skipped batches are still loaded (and dropped): datasets whose ``__getitem__`` draws
-random numbers see them in a different order than in an uninterrupted run.
+random numbers see them in a different order than in an uninterrupted run. A collate_fn (or
+``__getitem__``) drawing from the process's generators in the main process is repeated
+exactly for the batches after the checkpoint ([Note: the batch read ahead]).
+
+[Note: the batch read ahead]
+The prepared loader reads one batch ahead (to mark the last one), so when the loop holds
+batch k and calls ``save_state``, batch k+1 was already read: its collate_fn drew its random
+numbers (transformers' DataCollatorForLanguageModeling masks with torch's global RNG) from
+the states before that read, and the RNG states ``save_state`` records are later ones (after
+that read and the loop's own draws, dropout included), the states batch k+2's read starts
+from. Resuming from them alone, batch k+1 is read again from the wrong states (issue #48
+point 3: run_mlm_no_trainer resumed to another perplexity). So every read first takes the
+python, numpy and torch CPU generator states and the loader's own generators
+(``_mixprec_read_rng``, cheap getters), ``checkpoint_state`` records those of read k+1
+(``read_rng``), and the resumed pass, whose reads all happen before it yields its first
+batch, reads batch k+1 from them and then puts back the states it started with (the
+checkpoint's, restored by ``load_state``) for batch k+2 and the loop. Only when the resumed
+pass continues at batch k+1 of the same layout (``skip_first_batches(loader, k)`` or the
+positioned resume, same global batch size); CUDA generators are not taken (collate_fns run
+on the host). Worker processes (``num_workers > 0``) draw from their own generators, seeded
+from the pass's order states and advanced by the skipped batches, which are read as before.
+A StatefulDataLoader's resume and a dispatched loader (``dispatch_batches``, read ahead in
+a thread) do not replay the read.
 
 Example::
 
@@ -25,6 +47,7 @@ from typing import Optional
 import torch
 
 from ..wrappers.dataloader import PreparedDataLoader
+from .rng import capture_rng, host_rng, host_rng_form, restore_rng
 
 _END = object()
 
@@ -37,6 +60,10 @@ class ResumableDataLoader(PreparedDataLoader):
     _mixprec_epoch_rng: Optional[dict] = None  # generator states that drew this pass's order
     _mixprec_skip = 0  # batches the next pass skips (set by load_state)
     _mixprec_order_rng: Optional[dict] = None  # generator states the next pass draws from
+    # (read number in the pass, host_rng(), loader generator states) before the latest read
+    _mixprec_read_rng: Optional[tuple] = None
+    _mixprec_replay: Optional[tuple] = None  # (read number, saved states) the next pass reads from
+    _mixprec_replay_now: Optional[tuple] = None  # the same, with the states to put back, for _batches
 
     def __iter__(self):
         return self._mixprec_pass(None)
@@ -47,8 +74,8 @@ class ResumableDataLoader(PreparedDataLoader):
         is the pass's order, so ``load_state`` + ``skip_first_batches(loader, n)`` (the
         Accelerate idiom) continues the checkpointed pass after batch ``n``, and the next pass
         draws the next order, as in the uninterrupted run."""
-        skip, order_rng = self._mixprec_skip, self._mixprec_order_rng
-        self._mixprec_skip, self._mixprec_order_rng = 0, None
+        skip, order_rng, replay = self._mixprec_skip, self._mixprec_order_rng, self._mixprec_replay
+        self._mixprec_skip, self._mixprec_order_rng, self._mixprec_replay = 0, None, None
         if skip_first is not None:
             if order_rng is not None and skip_first != skip:
                 warnings.warn(
@@ -62,8 +89,13 @@ class ResumableDataLoader(PreparedDataLoader):
         self._mixprec_epoch_rng = order_rng if order_rng is not None else self._rng_states()
         self._mixprec_yielded = 0
         self._mixprec_in_progress = True
+        self._mixprec_read_rng = None
         gen = super().__iter__()
         try:
+            if replay is not None and replay[0] == skip + 1:
+                # [Note: the batch read ahead]: batch skip+1 is read from the states before its
+                # read in the checkpointed run; the states now (the checkpoint's) come back after.
+                self._mixprec_replay_now = (*replay, (capture_rng(), self._generator_states()))
             first = _END
             if order_rng is not None:
                 # The pass's order is drawn when iteration starts: draw it from the saved
@@ -90,7 +122,48 @@ class ResumableDataLoader(PreparedDataLoader):
             self._mixprec_yielded = count
             self._mixprec_in_progress = False
         finally:
+            self._mixprec_replay_now = None
             gen.close()
+
+    def _batches(self):
+        inner = self.dataloader
+        from ..data.dispatch import DispatchedLoader
+
+        if isinstance(inner, DispatchedLoader):  # read ahead in a thread: nothing to take per read
+            return iter(inner)
+        return self._reads(iter(inner))
+
+    def _reads(self, it):
+        """The wrapped loader's batches, each read after taking the generator states it starts
+        from; the read a resumed pass replays starts from the checkpoint's ([Note: the batch
+        read ahead])."""
+        replay, self._mixprec_replay_now = self._mixprec_replay_now, None
+        number = 0
+        while True:
+            number += 1
+            again = replay is not None and number == replay[0]
+            if again:
+                saved, (host_now, generators_now) = replay[1], replay[2]
+                restore_rng(saved["host"])
+                self._set_generator_states(saved["generators"])
+            self._mixprec_read_rng = (number, host_rng(), self._generator_states())
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            finally:
+                if again:
+                    restore_rng(host_now)
+                    self._set_generator_states(generators_now)
+            yield batch
+
+    def _generator_states(self) -> dict:
+        return {k: g.get_state() for k, g in self._generators().items()}
+
+    def _set_generator_states(self, states: dict) -> None:
+        for k, g in self._generators().items():
+            if k in states:
+                g.set_state(states[k])
 
     def _generators(self) -> dict:
         found = {}
@@ -141,7 +214,15 @@ class ResumableDataLoader(PreparedDataLoader):
             # Where the loader's generators are now (after drawing this pass's order): a
             # resumed run continues from here, so the next pass draws the next order.
             "generators_now": {k: g.get_state() for k, g in self._generators().items()},
+            # The states batch yielded+1 (read ahead) was read from ([Note: the batch read ahead]).
+            "read_rng": self._read_rng_to_save(),
         }
+
+    def _read_rng_to_save(self) -> Optional[dict]:
+        read = self._mixprec_read_rng
+        if not self._mixprec_in_progress or read is None or read[0] != self._mixprec_yielded + 1:
+            return None
+        return {"host": host_rng_form(read[1]), "generators": read[2]}
 
     def load_checkpoint_state(self, state: dict, index: int) -> None:
         samples = state["yielded"] * state["total_batch_size"]
@@ -163,6 +244,11 @@ class ResumableDataLoader(PreparedDataLoader):
                 generators[key].set_state(value)
         self._mixprec_skip = samples // mine
         self._mixprec_order_rng = state["epoch_rng"] if state["in_progress"] else None
+        read_rng = state.get("read_rng")  # absent from checkpoints saved before it was recorded
+        # Replayed only where the resumed pass continues at the same batch (same global batch size).
+        same_batch = self._mixprec_skip == state["yielded"]
+        self._mixprec_replay = (state["yielded"] + 1, read_rng) if (
+            state["in_progress"] and read_rng is not None and same_batch) else None
         self._mixprec_in_progress = False
 
 
@@ -214,6 +300,7 @@ class StatefulPreparedDataLoader(ResumableDataLoader):
         self._mixprec_resume_pending = state is not None
         self._mixprec_before_read = None
         self._mixprec_skip, self._mixprec_order_rng, self._mixprec_in_progress = 0, None, False
+        self._mixprec_replay = None
 
     def _layout(self) -> tuple:
         """(processes the loader is sharded over, global batch size): what a state needs."""

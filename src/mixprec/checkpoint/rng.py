@@ -21,12 +21,25 @@ except ImportError:  # numpy is optional
 
 def capture_rng() -> dict:
     """The states of every generator present, in a form ``torch.load(weights_only=True)`` reads."""
-    state = {"python": _to_lists(random.getstate()), "torch": torch.get_rng_state()}
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    state = host_rng_form(host_rng())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def host_rng() -> tuple:
+    """python's, numpy's and torch's CPU generator states as their getters return them: cheap
+    enough to take before every batch a dataloader reads (checkpoint/dataloader.py)."""
+    return random.getstate(), (np.random.get_state() if np is not None else None), torch.get_rng_state()
+
+
+def host_rng_form(raw: tuple) -> dict:
+    """What :func:`host_rng` returned, in :func:`capture_rng`'s form (``restore_rng`` reads it)."""
+    python, numpy_state, torch_state = raw
+    state = {"python": _to_lists(python), "torch": torch_state}
+    if numpy_state is not None:
+        kind, keys, pos, has_gauss, cached = numpy_state
+        state["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
     return state
 
 

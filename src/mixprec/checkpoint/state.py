@@ -156,6 +156,10 @@ def load_accelerator_state(acc, source: Path, custom: list):
         )
     for i, (dl, saved) in enumerate(zip(acc.prepared.dataloaders, mine["dataloaders"])):
         if saved is not None:
+            if not own:
+                # Another rank's generator states: not this rank's read ahead to replay
+                # ([Note: the batch read ahead] in checkpoint/dataloader.py).
+                saved = dict(saved, read_rng=None)
             _resumable(dl).load_checkpoint_state(saved, i)  # a StatefulPreparedDataLoader's own
     if own:
         restore_rng(mine["rng"])
@@ -272,6 +276,15 @@ def _check_rank_state(reader: CheckpointReader, mine: dict, rank: int) -> None:
     for i, dl in enumerate(mine["dataloaders"]):
         if dl is not None:
             _check_fields(f"{where} dataloaders[{i}]", dl, _DATALOADER_FIELDS)
+            read = dl.get("read_rng")  # optional: checkpoints before issue #48 lack it
+            if read is not None:
+                _check_fields(f"{where} dataloaders[{i}] read_rng", read, {"host": dict, "generators": dict})
+                host = read["host"]
+                if not isinstance(host.get("python"), list) or not torch.is_tensor(host.get("torch")):
+                    raise CheckpointError(
+                        f"{where} dataloaders[{i}] read_rng lacks its python/torch generator states; "
+                        "nothing was loaded"
+                    )
 
 
 def _validate_dataloaders(acc, mine: dict) -> None:

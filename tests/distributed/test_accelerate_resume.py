@@ -24,6 +24,20 @@ SAVE_AT = 3  # the scripts' checkpointing_steps: save after this many batches of
 SAVE_AGAIN_AT = 6  # a second checkpoint, taken inside the resumed (skipping) pass
 
 
+def _uninterrupted(prepared, step, save_at: int, path: str) -> list:
+    """``EPOCHS`` epochs of ``step`` over the prepared loader, ``save_state(path)`` after batch
+    ``save_at`` of the first (as the scripts checkpoint by steps); the steps' records."""
+    acc, model, opt, loader = prepared
+    full = []
+    for epoch in range(EPOCHS):
+        for i, batch in enumerate(loader):
+            full.append(step(acc, model, opt, batch))
+            if epoch == 0 and i + 1 == save_at:
+                acc.save_state(path)
+    acc.end_training()
+    return full
+
+
 def _runs(state, backends, ckpt):
     import torch
     from torch.utils.data import DataLoader, Dataset
@@ -59,14 +73,7 @@ def _runs(state, backends, ckpt):
     for backend in backends:
         where = f"{ckpt}/{backend}"
         # The uninterrupted run, checkpointing by steps as the scripts do.
-        acc, model, opt, loader = setup(backend)
-        full = []
-        for epoch in range(EPOCHS):
-            for i, batch in enumerate(loader):
-                full.append(step(acc, model, opt, batch))
-                if epoch == 0 and i + 1 == SAVE_AT:
-                    acc.save_state(f"{where}/step_{SAVE_AT}")
-        acc.end_training()
+        full = _uninterrupted(setup(backend), step, SAVE_AT, f"{where}/step_{SAVE_AT}")
 
         # The scripts' resume: load_state, then skip_first_batches for the checkpointed epoch.
         acc, model, opt, loader = setup(backend)
@@ -280,14 +287,7 @@ def _random_collate_runs(state, backends, ckpt):
     out = {}
     for backend in backends:
         where = f"{ckpt}/rc-{backend}"
-        acc, model, opt, loader = setup(backend)
-        full = []
-        for epoch in range(EPOCHS):
-            for i, batch in enumerate(loader):
-                full.append(step(acc, model, opt, batch))
-                if epoch == 0 and i + 1 == RC_SAVE_AT:
-                    acc.save_state(f"{where}/step_{RC_SAVE_AT}")
-        acc.end_training()
+        full = _uninterrupted(setup(backend), step, RC_SAVE_AT, f"{where}/step_{RC_SAVE_AT}")
 
         acc, model, opt, loader = setup(backend)
         acc.load_state(f"{where}/step_{RC_SAVE_AT}")

@@ -28,6 +28,18 @@ class GradientState:
         return bool(self.dataloader_stack)
 
     @property
+    def plugin_kwargs(self) -> dict:
+        """Accelerate's ``GradientAccumulationPlugin.to_kwargs()`` view of the same settings
+        (transformers' Trainer reads ``sync_each_batch`` from it)."""
+        return {"num_steps": self.accumulation_steps, "sync_each_batch": self.sync_each_batch,
+                "adjust_scheduler": True, "sync_with_dataloader": True}
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Accelerate's setter, for loops that decide the accumulation window themselves
+        (transformers' Trainer prefetches its micro-batches and marks the last one)."""
+        self.sync_gradients = bool(sync_gradients)
+
+    @property
     def num_steps(self) -> int:
         """Accelerate's name for ``accumulation_steps``."""
         return self.accumulation_steps

@@ -82,6 +82,21 @@ class AccelerateApi:
         )
 
     @property
+    def parallelism_config(self) -> None:
+        """Accelerate's ``ParallelismConfig`` (its TP/CP/SP meshes): always None here.
+        mixprec's tensor and sequence parallelism are its own config keys
+        (docs/tensor_parallel.md); code that reads this (transformers' Trainer) then takes
+        the sizes as 1 and leaves the splitting to mixprec's engines."""
+        return None
+
+    @property
+    def scaler(self) -> None:
+        """Accelerate's ``torch.amp.GradScaler``: always None here. mixprec's fp16 loss
+        scaling lives in the engine (``loss_scale``, ``skipped_steps``) and is saved by
+        ``save_state``, so callers that save a GradScaler's state themselves find none."""
+        return None
+
+    @property
     def project_dir(self) -> Optional[str]:
         """``project_configuration.project_dir``, as in Accelerate."""
         return self.project_configuration.project_dir

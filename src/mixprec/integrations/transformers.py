@@ -255,10 +255,20 @@ class MixprecTrainerMixin:
         """Nothing: load_state restored the loss scaler with the rest."""
 
     def _load_best_model(self) -> None:
+        """The best checkpoint's weights (its ``model.safetensors``, or the index of its
+        shards) into the prepared model: every rank reads the file (memory-mapped) inside
+        ``gathered_parameters(writeback=True)`` and writes back the part it owns, fp32
+        masters included; the optimizer state stays, as in the stock Trainer."""
+        from ..checkpoint.mapped import MappedSafetensors, checkpoint_files
+
         best = self.state.best_model_checkpoint
         transformers.trainer.logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        self.accelerator.load_weights(model, best)
+        reader = MappedSafetensors(checkpoint_files(best))
+        with self.accelerator.gathered_parameters(model, writeback=True):
+            result = model.load_state_dict({k: reader.tensor(k) for k in reader.keys()}, strict=False)
+        del reader
+        self._issue_warnings_after_load(result)
 
 
 def _patched(module: Any, name: str, value: Any):

@@ -69,6 +69,7 @@ same batches, and the first forward is checked.
 
 from __future__ import annotations
 
+
 import hashlib
 from typing import Any
 
@@ -135,6 +136,18 @@ def mark_collective_forward(acc: Any, model: nn.Module) -> None:
     layout = tensor_parallel.layout_of(model)
     if layout is not None and layout.tp.size > 1:
         _check_inference_inputs(model, layout.tp)
+
+
+# [Note: the root unit during generate()]
+# An encoder-decoder's generate() runs its encoder directly (``model.get_encoder()(...)``),
+# then the decoder steps through the root forward: the encoder reads the shared embedding,
+# which on zero3/fsdp sits in the root unit, gathered only inside the root's forward. So a
+# prepared model's ``generate`` runs inside a gathering scope over its root unit's
+# parameters (embeddings, head, final norms: each rank holds them for the call, as FSDP2's
+# ``register_fsdp_forward_method(model, "generate")`` does); the other units gather in their
+# own forwards as always. The method is on the swapped class (``_GatheredGenerate`` in
+# wrappers/model.py), so a deepcopy (an EMA model: full parameters of its own) or a pickle
+# of the model carries no reference to this one.
 
 
 def _fingerprint(args: tuple, kwargs: dict, device: torch.device) -> torch.Tensor:

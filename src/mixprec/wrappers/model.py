@@ -243,6 +243,21 @@ class _MixprecForward(SwappedForward):
             hook(self)
 
 
+class _GatheredGenerate:
+    """``generate()`` of a model prepared on zero3/fsdp runs with its root unit gathered
+    ([Note: the root unit during generate()] in parallel/generation.py); elsewhere (or on a
+    copy whose parameters are its own) it is the model's own."""
+
+    def generate(self, *args, **kwargs):
+        from ..engines.gathered import GatheredParameters, is_guarded
+
+        root = [p for p in self.parameters() if is_guarded(p) and p._mixprec_guard.unit_name == "<root>"]
+        if not root:
+            return super().generate(*args, **kwargs)
+        with GatheredParameters(root):
+            return super().generate(*args, **kwargs)
+
+
 class _GatheredSavePretrained:
     """[Note: save_pretrained of a sharded model]
     transformers' ``model.save_pretrained(dir, is_main_process=..., save_function=...)``
@@ -283,6 +298,21 @@ class _GatheredSavePretrained:
         return super().save_pretrained(save_directory, *args, **kwargs)
 
 
+def _forward_signed(cls: type):
+    """``_MixprecForward.forward`` showing the signature of ``cls.forward``: callers read the
+    forward's parameters (transformers' ``generate`` checks its model kwargs against them,
+    the Trainer drops dataset columns the forward does not take)."""
+    def forward(self, *args, **kwargs):
+        return self._mixprec_ctx.run(super(_MixprecForward, self).forward, args, kwargs)
+
+    try:
+        forward.__signature__ = inspect.signature(cls.forward)
+    except (TypeError, ValueError):  # a builtin or an odd callable: keep (*args, **kwargs)
+        pass
+    forward.__doc__ = cls.forward.__doc__
+    return forward
+
+
 def swap_class(module: nn.Module, ctx: ForwardContext) -> None:
     """Make ``module`` run its forward through ``ctx`` (idempotent: re-prepare updates ctx)."""
     cls = type(module)
@@ -292,10 +322,12 @@ def swap_class(module: nn.Module, ctx: ForwardContext) -> None:
     key = (cls, _MixprecForward)
     if key not in _SWAPPED:
         extra = (_GatheredSavePretrained,) if callable(getattr(cls, "save_pretrained", None)) else ()
+        if callable(getattr(cls, "generate", None)):
+            extra += (_GatheredGenerate,)
         _SWAPPED[key] = type(
             cls.__name__,
             (_MixprecForward, *extra, cls),
-            {"__module__": cls.__module__, "_mixprec_original": cls},
+            {"__module__": cls.__module__, "_mixprec_original": cls, "forward": _forward_signed(cls)},
         )
     object.__setattr__(module, "_mixprec_ctx", ctx)
     module.__class__ = _SWAPPED[key]

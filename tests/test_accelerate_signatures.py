@@ -28,7 +28,6 @@ _PARALLELISM = ("Accelerate's ParallelismConfig/DeviceMesh (composable FSDP2 + T
 MISSING = {
     "data_parallel_rank": _PARALLELISM + "; the data-parallel rank is accelerator.mesh.dp_rank (or process_index)",
     "data_parallel_shard_rank": _PARALLELISM,
-    "parallelism_config": _PARALLELISM,
     "torch_device_mesh": _PARALLELISM,
     "should_save_model": _PARALLELISM + "; save_model/save_state decide which ranks write themselves",
     "is_fsdp2": "mixprec's fsdp engine is its own, not torch's FSDP2 (distributed_type says FSDP)",

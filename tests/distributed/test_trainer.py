@@ -40,30 +40,42 @@ def _rel_norm(a, b) -> float:
 
 
 # ------------------------------------------------------------------------ ddp against stock
+PARITY = [("stock", "ddp", 1), ("mixprec", "ddp", 1), ("stock", "ddp", 2), ("mixprec", "zero2", 2)]
+
+
 def _parity(state, tmp):
     import trainer_runs as tr
 
     out = {}
-    for kind in ("stock", "mixprec"):
+    for kind, backend, accumulation in PARITY:
         trainer = tr.make_trainer(kind, tr.build_model(dropout=0.1), tr.training_args(
-            tr.fresh_dir(f"{tmp}/{kind}"), save_strategy="no"), mixprec_config={"backend": "ddp"})
+            tr.fresh_dir(f"{tmp}/{kind}{accumulation}"), save_strategy="no", gradient_accumulation_steps=accumulation,
+            max_steps=tr.STEPS // accumulation), mixprec_config={"backend": backend})
         trainer.train()
-        out[kind] = {**tr.logged(trainer), "state": tr.whole_state(trainer) if state.rank == 0 else None}
+        out[kind, accumulation] = {**tr.logged(trainer), "state": tr.whole_state(trainer) if state.rank == 0 else None}
         tr.end(trainer)
     return out
 
 
-def test_ddp_trains_as_the_stock_trainer_on_accelerate_ddp(tmp_path):
-    r0, r1 = run_distributed(_parity, 2, args=(str(tmp_path),), timeout=300)
-    stock, mine = r0["stock"], r0["mixprec"]
-    assert len(mine["loss"]) == len(stock["loss"]) == 12
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trains_as_the_stock_trainer_on_accelerate_ddp(parity_runs, accumulation):
+    """ddp without accumulation, zero2 with 2 micro-batches a step (the Trainer's own
+    accumulation: no_sync and _set_sync_gradients), against the stock Trainer alike."""
+    r0, r1 = parity_runs
+    stock, mine = r0["stock", accumulation], r0["mixprec", accumulation]
+    assert len(mine["loss"]) == len(stock["loss"]) == 12 // accumulation
     for key in ("loss", "grad_norm", "lr"):
         assert mine[key] == pytest.approx(stock[key], rel=1e-5, abs=1e-7), key
-    assert r1["mixprec"]["loss"] == mine["loss"]  # every rank logs the same
+    assert r1["mixprec", accumulation]["loss"] == mine["loss"]  # every rank logs the same
     assert stock["state"].keys() == mine["state"].keys()
     # fp32 noise only: the same sums in the same orders, but Adam amplifies any rounding
     worst = max(_rel_norm(mine["state"][k], stock["state"][k]) for k in stock["state"])
     assert worst < 1e-5, worst
+
+
+@pytest.fixture(scope="module")
+def parity_runs(tmp_path_factory):
+    return run_distributed(_parity, 2, args=(str(tmp_path_factory.mktemp("parity")),), timeout=300)
 
 
 # ------------------------------------------------------------------------ the float64 rule
@@ -74,7 +86,8 @@ def _rule(state, tmp, names):
     results, refs = {}, {}
     for name in names:
         trainer = tr.make_trainer("mixprec", tr.build_model(), tr.training_args(
-            tr.fresh_dir(f"{tmp}/{name}"), save_strategy="no"), mixprec_config=_config(name))
+            tr.fresh_dir(f"{tmp}/{name}"), save_strategy="no", gradient_checkpointing=name == "zero3"),
+            mixprec_config=_config(name))
         rec = tr.BatchRecorder(trainer)
         trainer.train()
         batches = tr.global_batches(rec, trainer)
@@ -263,8 +276,8 @@ def _fp16(state, tmp):
     import trainer_runs as tr
 
     trainer = tr.make_trainer("mixprec", tr.build_model(), tr.training_args(
-        tr.fresh_dir(f"{tmp}/fp16"), fp16=True, save_strategy="no", max_steps=6),
-        mixprec_config={"backend": "zero2", "scaler": {"init_scale": 2.0 ** 60}})
+        tr.fresh_dir(f"{tmp}/fp16"), fp16=True, save_strategy="no", max_steps=12),
+        mixprec_config={"backend": "zero2", "scaler": {"init_scale": 2.0 ** 24}})
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     tr.end(trainer)
@@ -275,10 +288,13 @@ def test_fp16_skipped_steps_are_skipped_on_every_rank_and_logged(tmp_path):
     r0, r1 = run_distributed(_fp16, 2, args=(str(tmp_path),), timeout=300)
     assert [h["skipped_steps"] for h in r0] == [h["skipped_steps"] for h in r1]
     skipped = r0[-1]["skipped_steps"]
-    assert skipped >= 1 and r0[0]["skipped_steps"] == 1  # 2**60 overflows at once
-    assert r0[-1]["loss_scale"] < 2.0 ** 60
+    assert skipped >= 1 and r0[0]["skipped_steps"] == 1  # 2**24 overflows at once
+    assert r0[-1]["loss_scale"] < 2.0 ** 24
     # the scheduler does not step on a skipped step: the logged lr waits
     assert r0[1]["learning_rate"] == r0[0]["learning_rate"]
+    # the logged gradient norm is the unscaled one that was clipped (inf on a skipped step)
+    clean = [h["grad_norm"] for h, before in zip(r0[1:], r0) if h["skipped_steps"] == before["skipped_steps"]]
+    assert clean and all(0 < float(n) < 100 for n in clean), clean
 
 
 # ------------------------------------------------------------------------ evaluate / predict
@@ -418,3 +434,48 @@ def test_seq2seq_predict_with_generate_on_sharded_weights_equals_one_process(tmp
         got = row[row != -100]
         got = got[: len(want)]
         assert torch_equal(got, want), (got, want)
+
+
+# ------------------------------------------------------------------------ TRL
+def _sft(state, tmp):
+    import _numerics
+    import trainer_runs as tr
+
+    out = {}
+    stock = tr.sft_trainer("stock", tr.fresh_dir(f"{tmp}/stock"))
+    stock.train()
+    out["stock"] = tr.logged(stock)["loss"]
+    trainer = tr.sft_trainer("mixprec", tr.fresh_dir(f"{tmp}/zero3"), {"backend": "zero3"})
+    rec = tr.BatchRecorder(trainer)
+    trainer.train()
+    out["backend"] = trainer.accelerator.backend
+    out["mixprec"] = tr.logged(trainer)["loss"]
+    batches = tr.global_batches(rec, trainer)
+    got = tr.whole_state(trainer)
+    tr.end(trainer)
+
+    def loss(model, ids):
+        return model(input_ids=ids, labels=ids, num_items_in_batch=ids.numel()).loss
+
+    judge, ref64, spread = _numerics.judge_runs(tr.build_model, batches, loss=loss, clip=1.0, lr=1e-3,
+                                                weight_decay=0.0, lr_lambda=lambda s: max(0.0, (tr.STEPS - s) / tr.STEPS))
+    out["verdict"] = judge.verdict(got)
+    out["loss_excess"] = {k: _numerics.scalar_excess(out[k], ref64["losses"], [s["losses"] for s in spread])
+                          for k in ("stock", "mixprec")}
+    return out
+
+
+def test_trl_sft_trainer_on_zero3_meets_the_float64_rule_as_stock_trl_on_ddp(tmp_path):
+    pytest.importorskip("trl")
+    import _numerics
+
+    r0 = run_distributed(_sft, 2, args=(str(tmp_path),), timeout=300)[0]
+    assert r0["backend"] == "zero3"
+    assert len(r0["mixprec"]) == len(r0["stock"]) == 12
+    _numerics.assert_verdict(r0["verdict"], "sft zero3")
+    # The per-step losses: mixprec's within the fp32 spread of the float64 run's, and no
+    # farther than stock TRL's on Accelerate DDP (measured here: stock 9.5, mixprec 0.07, on
+    # a Xeon: stock TRL's own losses sit outside the spread of plain fp32 runs).
+    excess = r0["loss_excess"]
+    assert excess["mixprec"] <= 1.0, excess
+    assert excess["mixprec"] <= max(1.0, excess["stock"]), excess

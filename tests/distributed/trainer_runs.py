@@ -158,3 +158,35 @@ def fresh_dir(path: str) -> str:
         os.makedirs(path)
     dist.barrier()
     return path
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over ``VOCAB`` ids (no Hub: built here), pad id 0."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<pad>")
+
+
+def sft_trainer(kind: str, out: str, mixprec_config=None):
+    """TRL's SFTTrainer (stock, or through mixprec_trainer) on pre-tokenized rows of equal
+    length: labels are the inputs, no padding."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    rows = Rows(96, 1)
+    data = Dataset.from_dict({"input_ids": [r.tolist() for r in rows.x]})
+    args = SFTConfig(output_dir=out, max_steps=STEPS, per_device_train_batch_size=PER_RANK, learning_rate=1e-3,
+                     logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True, max_grad_norm=1.0,
+                     save_strategy="no", max_length=SEQ, packing=False, dataset_num_proc=None)
+    cls = SFTTrainer
+    extra = {}
+    if kind == "mixprec":
+        from mixprec.integrations.transformers import mixprec_trainer
+
+        cls = mixprec_trainer(SFTTrainer)
+        extra["mixprec_config"] = mixprec_config
+    return cls(model=build_model(), args=args, train_dataset=data, processing_class=tiny_tokenizer(), **extra)

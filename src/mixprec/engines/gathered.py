@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 import functools
 import weakref
 from typing import Iterable, Optional, Union
@@ -530,6 +531,15 @@ class GatheredScope:
 def scope_for(engine, target, **options) -> GatheredScope:
     """The gathering context over ``engine`` (Accelerator.gathered_parameters)."""
     return GatheredScope(engine.comm, target, master_of=engine.precision.master_of, **options)
+
+
+def root_unit_scope(model: nn.Module):
+    """The gathering scope over ``model``'s root-unit parameters (embeddings, head, final
+    norms) for ``generate()`` ([Note: the root unit during generate()] in
+    parallel/generation.py), on the engine of the live Accelerator that prepared it; a null
+    context when none is guarded (a copy of the model)."""
+    root = [p for p in model.parameters() if is_guarded(p) and p._mixprec_guard.unit_name == "<root>"]
+    return GatheredParameters(root) if root else contextlib.nullcontext()
 
 
 def find_engine(params: list[torch.Tensor], api: str):

@@ -37,7 +37,7 @@ from .units import (
     explain_unsharded_use,
     select_unit_modules,
 )
-from .gathered import guard_params
+from .gathered import guard_params, root_unit_scope
 from .zero_state import zero_load_state_shards, zero_state_shards
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -582,6 +582,7 @@ class Zero3Comm(ShardedComm):
 
     def model_ready(self, model: nn.Module, ctx: "ForwardContext") -> None:
         ctx.plain_params = True  # the forward skips the guard's check (gathered.py)
+        ctx.generate_scope = root_unit_scope
         super().model_ready(model, ctx)
 
     def _error_explainer(self, model: nn.Module):

@@ -46,10 +46,16 @@ import os
 from typing import Any, Optional
 
 import torch
-import transformers
-import transformers.trainer as _trainer_module
-from transformers import Seq2SeqTrainer as _HfSeq2SeqTrainer
-from transformers import Trainer as _HfTrainer
+
+try:
+    import transformers
+    import transformers.trainer as _trainer_module
+    from transformers import Seq2SeqTrainer as _HfSeq2SeqTrainer
+    from transformers import Trainer as _HfTrainer
+except ImportError as e:  # the integration needs transformers; mixprec itself does not
+    raise ImportError(
+        f"mixprec.integrations.transformers needs transformers and accelerate ({e}); install them with "
+        "`pip install 'mixprec[transformers]'` (or `pip install transformers accelerate`)") from e
 
 from ..accelerator import Accelerator
 

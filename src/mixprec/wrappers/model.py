@@ -99,6 +99,9 @@ class ForwardContext:
         # parameters] in engines/gathered.py); forward runs with subclass torch functions
         # off, so the guard's check costs nothing per op.
         self.plain_params = False
+        # zero3/fsdp: the scope generate() runs in (its root unit gathered: [Note: the root
+        # unit during generate()] in parallel/generation.py); None elsewhere.
+        self.generate_scope: Optional[Callable[[nn.Module], Any]] = None
         # fp16 autocast on a CPU without fp16 arithmetic: the matmuls run as widened fp32
         # GEMMs ([Note: fp16 GEMMs on a CPU without fp16 arithmetic] in wrappers/half_gemm.py).
         self.half_gemm = False
@@ -249,12 +252,8 @@ class _GatheredGenerate:
     copy whose parameters are its own) it is the model's own."""
 
     def generate(self, *args, **kwargs):
-        from ..engines.gathered import GatheredParameters, is_guarded
-
-        root = [p for p in self.parameters() if is_guarded(p) and p._mixprec_guard.unit_name == "<root>"]
-        if not root:
-            return super().generate(*args, **kwargs)
-        with GatheredParameters(root):
+        scope = self._mixprec_ctx.generate_scope
+        with scope(self) if scope is not None else contextlib.nullcontext():
             return super().generate(*args, **kwargs)
 
 

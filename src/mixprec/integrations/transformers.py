@@ -225,11 +225,14 @@ class MixprecTrainerMixin:
             return "mixprec"
         backend = self.accelerator.backend
         if backend not in _LOCAL_BACKENDS or getattr(self.accelerator, "mesh", None) is not None:
+            weights_only = not os.path.isfile(os.path.join(checkpoint, transformers.trainer.OPTIMIZER_NAME))
+            what = ("holds the weights only (saved with save_only_model=True?)" if weights_only else
+                    "was written by the stock Trainer (no mixprec/ folder); its optimizer.pt holds whole optimizer "
+                    "states, which mixprec loads on the ddp and single backends only")
             raise NotImplementedError(
-                f"resume_from_checkpoint={checkpoint!r}: this checkpoint was written by the stock Trainer "
-                f"(no {MIXPREC_CHECKPOINT_DIR}/ folder); its optimizer.pt holds whole optimizer states, which "
-                f"mixprec loads on the ddp and single backends only, not on {backend!r}. Fix: resume it once with "
-                f"`mixprec launch --backend ddp` and let the Trainer save a checkpoint, then switch backends; or "
+                f"resume_from_checkpoint={checkpoint!r}: this checkpoint {what}, not on {backend!r}"
+                f"{' with tensor/sequence parallelism' if backend in _LOCAL_BACKENDS else ''}. Fix: resume it once "
+                f"with `mixprec launch --backend ddp` and let the Trainer save a checkpoint, then switch backends; or "
                 f"start a new run from its weights with from_pretrained({checkpoint!r})"
             )
         return "stock"

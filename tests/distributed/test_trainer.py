@@ -479,3 +479,33 @@ def test_trl_sft_trainer_on_zero3_meets_the_float64_rule_as_stock_trl_on_ddp(tmp
     excess = r0["loss_excess"]
     assert excess["mixprec"] <= 1.0, excess
     assert excess["mixprec"] <= max(1.0, excess["stock"]), excess
+
+
+# ------------------------------------------------------------------------ PEFT
+def _peft(state, tmp):
+    import torch
+    import trainer_runs as tr
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    out = {}
+    for kind, backend in (("stock", "ddp"), ("mixprec", "zero3")):
+        model = get_peft_model(tr.build_model(), LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+        trainer = tr.make_trainer(kind, model, tr.training_args(tr.fresh_dir(f"{tmp}/{kind}"), save_strategy="no"),
+                                  mixprec_config={"backend": backend})
+        trainer.train()
+        trainer.save_model(f"{tmp}/{kind}/adapter")
+        out[kind] = {**tr.logged(trainer), "adapter": load_file(f"{tmp}/{kind}/adapter/adapter_model.safetensors")
+                     if state.rank == 0 else None}
+        tr.end(trainer)
+    return out
+
+
+def test_a_peft_adapter_trains_and_saves_on_zero3_as_on_stock_ddp(tmp_path):
+    pytest.importorskip("peft")
+    r0 = run_distributed(_peft, 2, args=(str(tmp_path),), timeout=300)[0]
+    stock, mine = r0["stock"], r0["mixprec"]
+    assert mine["loss"] == pytest.approx(stock["loss"], rel=1e-5)
+    assert mine["adapter"].keys() == stock["adapter"].keys() and len(stock["adapter"]) == 4
+    for k in stock["adapter"]:  # the adapter file only, written by save_model on the sharded model
+        assert _rel_norm(mine["adapter"][k], stock["adapter"][k]) < 1e-5, k

@@ -228,6 +228,8 @@ def pretrained_unsupported(model, options: dict) -> Optional[str]:
         return "transformers < 5 (its save_pretrained is not mirrored here)"
     if not hasattr(mu, "remove_tied_weights_from_state_dict") or not hasattr(model, "should_save_on_this_rank"):
         return "transformers < 5 (its save_pretrained is not mirrored here)"
+    if not isinstance(model, mu.PreTrainedModel):  # a PEFT model's own save_pretrained, for one
+        return f"{type(model).__name__} is not a transformers PreTrainedModel"
     extra = options.get("kwargs", {})
     reasons = [
         (options.get("push_to_hub"), "push_to_hub=True"),

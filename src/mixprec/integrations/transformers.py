@@ -319,13 +319,9 @@ def _ddp_handlers(args: Any) -> list:
     """The DDP options the user set in TrainingArguments (the stock Trainer's defaults, e.g.
     ``find_unused_parameters=True`` for any PreTrainedModel, are left to the ddp engine,
     which finds unused parameters itself)."""
-    options = {}
-    if args.ddp_find_unused_parameters is not None:
-        options["find_unused_parameters"] = args.ddp_find_unused_parameters
-    if args.ddp_bucket_cap_mb is not None:
-        options["bucket_cap_mb"] = args.ddp_bucket_cap_mb
-    if args.ddp_broadcast_buffers is not None:
-        options["broadcast_buffers"] = args.ddp_broadcast_buffers
+    given = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
+             "broadcast_buffers": args.ddp_broadcast_buffers}
+    options = {k: v for k, v in given.items() if v is not None}
     if not options:
         return []
     from accelerate.utils import DistributedDataParallelKwargs

@@ -191,10 +191,11 @@ class Engine:
         self.clip_sources.add_model(model)
         return model
 
-    def zero_model_grads(self, model: nn.Module) -> None:
-        """``model.zero_grad()`` on a prepared model also clears its masters' grads."""
+    def zero_model_grads(self, model: nn.Module, set_to_none: bool = True) -> None:
+        """``model.zero_grad(set_to_none)`` on a prepared model also clears its masters' grads
+        (and, on the sharded backends, the gradient memory the engine keeps for it)."""
         self.precision.drop_master_grads(model)
-        self.comm.zero_model_grads(model)
+        self.comm.zero_model_grads(model, set_to_none)
 
     def full_state_dict(self, model: nn.Module) -> dict:
         """``model.state_dict()`` with every parameter in full precision (fp32 masters; on

@@ -106,8 +106,9 @@ class Comm:
         """How this backend laid ``model`` out, for the start-up line (mixprec/startup.py)."""
         return "no gradient communication"
 
-    def zero_model_grads(self, model: nn.Module) -> None:
-        """``model.zero_grad()`` on a prepared model: drop what the comm holds for it."""
+    def zero_model_grads(self, model: nn.Module, set_to_none: bool = True) -> None:
+        """``model.zero_grad(set_to_none)`` on a prepared model: drop what the comm holds for
+        it (with ``set_to_none``, its memory too)."""
 
     def fill_full_state(self, model: nn.Module, state: dict) -> None:
         """Put the full fp32 value of every parameter this comm shards into ``state``."""

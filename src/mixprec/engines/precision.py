@@ -199,7 +199,7 @@ class Precision:
 
     def install_forward(self, model: nn.Module, input_dtype: Optional[torch.dtype],
                         gate: AutocastGate, fp32_modules: Sequence[nn.Module],
-                        on_zero_grad: Callable[[nn.Module], None], *,
+                        on_zero_grad: Callable[[nn.Module, bool], None], *,
                         cache_casts: bool = False, half_gemm: bool = False) -> ForwardContext:
         """Make the model's forward follow the policy (class swap, see wrappers/model.py):
         autocast, input casts, output dtype; fp32 modules run with autocast off.

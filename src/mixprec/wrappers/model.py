@@ -81,14 +81,14 @@ class ForwardContext:
         gate: AutocastGate,
         *,
         fp32_region: bool = False,
-        on_zero_grad: Optional[Callable[[nn.Module], None]] = None,
+        on_zero_grad: Optional[Callable[[nn.Module, bool], None]] = None,
     ) -> None:
         self.policy = policy
         self.device_type = device_type
         self.input_dtype = input_dtype  # dtype floating inputs are cast to (None: untouched)
         self.gate = gate
         self.fp32_region = fp32_region  # a keep_fp32 module: autocast off, fp32 inputs
-        self.on_zero_grad = on_zero_grad  # clears grads the engine keeps for this module
+        self.on_zero_grad = on_zero_grad  # (module, set_to_none): clears grads the engine keeps for it
         self.pre_forward: Optional[Callable[[], None]] = None  # engine work before forward
         # The update's weight copies (engines/weight_casts.py): the forward opens and closes
         # their per-forward memo ([Note: the update writes the forward's weights]).
@@ -243,7 +243,7 @@ class _MixprecForward(SwappedForward):
         super().zero_grad(set_to_none)
         hook = self._mixprec_ctx.on_zero_grad
         if hook is not None:
-            hook(self)
+            hook(self, set_to_none)
 
 
 class _GatheredGenerate:

@@ -7,7 +7,7 @@ without the Trainer): forward with labels, ``backward``, ``clip_grad_norm_(1.0)`
 A thread samples RssAnon every 2 ms and keeps the largest sample per phase; growth is over
 RssAnon right before the model is built (heap trimmed), as in bench_trainer.py. Inside
 backward, a hook on every block's input gradient marks the block, so the backward peak is
-located by block.
+located by block; PROBE_TRACE="s1 bwd" prints every RssAnon change during those phases.
 
     python -m mixprec launch --nproc-per-node 2 --backend zero3 benchmarks/probe_trainer_memory.py
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/probe_trainer_memory.py --fsdp2
@@ -81,6 +81,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--engine-options", default="{}", help="JSON engine_options for mixprec")
     p.add_argument("--out", default=None)
+    p.add_argument("--engine-bytes", action="store_true",
+                   help="mixprec: print what the cores hold when the embedding's backward begins (step 1, rank 0)")
     args = p.parse_args()
 
     import torch
@@ -133,6 +135,25 @@ def main() -> None:
                 out.register_hook(lambda g: probe.set(f"s{step_no[0]} bwd:{name}"))
         return fwd_hook
 
+    def engine_bytes(tag):
+        # mixprec only: what the sharding cores hold right now (MiB): gathered parameters,
+        # full-size fp32 gradient buckets, gradient shards.
+        if args.fsdp2 or not args.engine_bytes or step_no[0] != 1 or rank != 0:
+            return
+        cores = acc.engine.comm.all_cores()
+        held = {k: sum(getattr(c, k)() for c in cores) / MIB
+                for k in ("param_buffer_bytes", "grad_bucket_bytes", "grad_shard_bytes")}
+        comm = acc.engine.comm
+        units = [(u.name, u.core) for u in comm.runners[id(model)].units if hasattr(u.core, "grad_bucket_bytes")]
+        buckets = [(n, round(c.grad_bucket_bytes() / MIB, 1)) for n, c in units if c.grad_bucket_bytes()]
+        gathered = [(n, round(c.param_buffer_bytes() / MIB, 1)) for n, c in units if c.param_buffer_bytes()]
+        print(f"[{tag}] {held} buckets held by {buckets}; gathered {gathered}", flush=True)
+
+    def on_wte_grad(mod, inp, out):
+        if out.requires_grad:
+            out.register_hook(lambda g: engine_bytes("wte-out-grad"))
+
+    inner.transformer.wte.register_forward_hook(on_wte_grad)
     inner.transformer.wte.register_forward_hook(mark_out("wte-out-grad"))
     inner.lm_head.register_forward_hook(mark_out("logits-grad"))
     inner.transformer.ln_f.register_forward_hook(mark_out("ln_f-out-grad"))

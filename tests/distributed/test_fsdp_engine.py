@@ -323,3 +323,39 @@ def test_comm_counters_root_is_gathered_once_units_twice():
         assert mem["master"] + mem["optimizer_state"] == 12 * total // 2
     for reduced, gathered, _, total, _ in run_distributed(_comm_with_root, 2, args=(False,)):
         assert (reduced, gathered) == (total, total)
+
+
+def _gathered_when_backward_leaves_the_layers(state):
+    """Which units hold gathered parameters when the gradient of the first layer's input
+    arrives (every layer's backward done, the root's embedding still ahead), per backward."""
+    import torch
+
+    from _helpers import TinyTransformer, loss_fn, transformer_batches
+    from mixprec import Accelerator
+
+    acc = Accelerator(backend="zero3", cpu=True, log_policy=False, engine_options={"units": "size:4000"})
+    torch.manual_seed(0)
+    model = acc.prepare(TinyTransformer(layers=4))
+    units = [u for u in acc.engine.comm.runners[id(model)].units if hasattr(u.core, "param_buffer_bytes")]
+    nested = sum(1 for u in units if u.name.endswith("self_attn"))
+    seen = []
+
+    def first_layer_input_grad(module, args):
+        args[0].register_hook(lambda g: seen.append(
+            sorted(u.name for u in units if u.core.param_buffer_bytes() > 0)))
+
+    model.encoder.layers[0].register_forward_pre_hook(first_layer_input_grad)
+    for x, y in transformer_batches(2):
+        acc.backward(loss_fn(model(x), y))
+        model.zero_grad()
+    return nested, seen
+
+
+def test_enclosing_unit_is_freed_after_its_backward():
+    # [Note: no prefetch of a unit already in backward] in src/mixprec/engines/units.py: each
+    # layer is a unit around its self_attn unit; entering self_attn's backward used to
+    # "prefetch" the layer (already gathered), which restarted the count of its gradients,
+    # so every layer stayed gathered to the end of backward.
+    for nested, seen in run_distributed(_gathered_when_backward_leaves_the_layers, 2):
+        assert nested == 4, nested
+        assert seen == [[""], [""]], seen  # only the root is gathered

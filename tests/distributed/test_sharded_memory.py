@@ -75,3 +75,44 @@ def test_zero_grad_frees_gradient_memory(backend):
         assert r["kept_bytes"] > 0 and r["kept_zero"], r  # set_to_none=False: zeroed, kept
         assert r["stepped"] and r["params_match"], r
         assert r["lowp_api_gone"], r
+
+
+def _model_zero_grad(state, backend, via_model):
+    import torch
+
+    from _helpers import loss_fn, make_transformer, transformer_batches
+    from mixprec import Accelerator
+
+    opts = {"units": ["Linear"]} if backend == "zero3" else None
+    acc = Accelerator(backend=backend, cpu=True, log_policy=False, engine_options=opts)
+    model = make_transformer()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    cores = acc.engine.comm.all_cores()
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    freed, grads_none = [], []
+    for x, y in transformer_batches(3):
+        acc.backward(loss_fn(model(x), y))
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        (model if via_model else opt).zero_grad()
+        freed.append(sum(c.grad_shard_bytes() + c.grad_bucket_bytes() for c in cores) == 0)
+        grads_none.append(all(m.grad is None for m in masters))
+    acc.backward(loss_fn(model(x), y))
+    opt.step()
+    model.zero_grad(set_to_none=False)
+    kept = sum(c.grad_shard_bytes() for c in cores) > 0 and all(m.grad is not None and not m.grad.any()
+                                                               for m in masters)
+    return freed, grads_none, kept, acc.get_state_dict(model)
+
+
+@pytest.mark.parametrize("backend", ["zero1", "zero2", "zero3"])
+def test_model_zero_grad_frees_gradient_memory(backend):
+    # [Note: model.zero_grad() frees the gradient shard] in src/mixprec/engines/zero.py:
+    # transformers' Trainer calls model.zero_grad() only. The training is that of
+    # optimizer.zero_grad(), bit for bit.
+    by_model = run_distributed(_model_zero_grad, 2, args=(backend, True))
+    by_opt = run_distributed(_model_zero_grad, 2, args=(backend, False))
+    for (freed, grads_none, kept, state), (_, _, _, ref) in zip(by_model, by_opt):
+        assert all(freed) and all(grads_none), (freed, grads_none)
+        assert kept  # set_to_none=False: zeroed and kept
+        assert state.keys() == ref.keys() and all(state[k].equal(ref[k]) for k in ref)

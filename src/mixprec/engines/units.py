@@ -473,7 +473,19 @@ class UnitRunner:
         self._gather(unit, False, check=False)
         if self.prefetch:
             prev = self._prev_of[unit.index]
-            if prev is not None and not prev.is_root:
+            # [Note: no prefetch of a unit already in backward]
+            # The unit before this one in forward order may be one whose backward began
+            # earlier in this backward: the unit enclosing it (a GPT-2 block around its
+            # attn.c_attn unit, whose forward begins first). It is gathered and receiving
+            # gradients; unshard() on it restarted the core's count of gradients received
+            # (core.cpp, unshard_locked), so it never reached the unit's parameter count, and
+            # the unit stayed gathered until the end of backward (every GPT-2 block's 2.3 MiB,
+            # 27 MiB at GPT-2 small's embedding backward, its peak:
+            # benchmarks/probe_trainer_memory.py). Once freed after its last gradient, a
+            # prefetch would gather it again for nothing. Either way it is skipped; `entered`
+            # stamps follow the units' backward order, the same on every rank, so every rank
+            # skips the same gathers.
+            if prev is not None and not prev.is_root and prev.entered != self._backwards:
                 self._gather(prev, True, check=False)
 
     def _end_backward(self) -> None:

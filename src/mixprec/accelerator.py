@@ -210,7 +210,8 @@ class Accelerator(Preparation, Loaders, SequenceInputs, TrainingStep, Exports, C
 # where a Gloo worker still releasing a tensor aborts the process ([Note: exit after a
 # collective] in distributed/state.py). So an atexit hook does what end_training() does
 # for every Accelerator still alive: release the engine, then destroy the default group if
-# an Accelerator created it (a group made by the caller is left to the caller).
+# an Accelerator created it (a group made by the caller is left to the caller, after a
+# moment for its workers: [Note: exit after a collective]).
 _LIVE = registry.LIVE  # the Accelerators the exit hook releases (src/mixprec/registry.py)
 _CREATED_GROUPS = registry.CREATED_GROUPS  # names of the groups Accelerators initialised
 
@@ -227,7 +228,11 @@ def _shutdown_at_exit() -> None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.group.WORLD.group_name in _CREATED_GROUPS:
         destroy_distributed(DistributedState(group=dist.group.WORLD))
-    elif live:
+    elif live or (dist.is_available() and dist.is_initialized()):
+        # A group the caller made (transformers' TrainingArguments make one through
+        # Accelerate's PartialState) stays, but its workers get their moment too: the
+        # script's Accelerators may be gone already (run_clm.py's Trainer is collected when
+        # main() returns), their last collectives' tensors with them.
         let_collective_workers_finish()
 
 
